@@ -1,0 +1,80 @@
+// The public entry points of include/flashmsa/api.h: validate (validate.cpp), check the device,
+// then hand over to the stage launchers of src/kernels/launch.h. Nothing here touches tensor data.
+#include "flashmsa/api.h"
+
+#include <cuda_runtime_api.h>
+
+#include <sstream>
+
+#include "kernels/launch.h"
+
+namespace flashmsa {
+
+namespace {
+
+Status check_device() {
+  if (!hopper_available()) {
+    return {StatusCode::kNoDevice,
+            "device: flashmsa kernels need an NVIDIA Hopper GPU (H100/H200, sm_90); none found"};
+  }
+  return Status::Ok();
+}
+
+Status not_built(const char* op) {
+  return {StatusCode::kUnsupported, std::string(op) + ": this op has no CUDA kernel in this build"};
+}
+
+}  // namespace
+
+bool hopper_available() {
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) {
+    cudaGetLastError();  // clear the sticky "no device" error
+    return false;
+  }
+  int major = 0;
+  int minor = 0;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return major == 9 && minor == 0;
+}
+
+std::string supported_combinations() {
+  std::ostringstream table;
+  table << "dtype      head_dim  proxy_head_dim\n"
+        << "bf16       128       128\n"
+        << "fp16       128       128\n";
+  return table.str();
+}
+
+Status select(const SelectParams& params, cudaStream_t stream) {
+  if (Status status = validate(params); !status.ok()) return status;
+  if (Status status = check_device(); !status.ok()) return status;
+  return kernels::launch_select(params, stream);
+}
+
+Status schedule(const ScheduleParams& params, cudaStream_t stream) {
+  if (Status status = validate(params); !status.ok()) return status;
+  if (Status status = check_device(); !status.ok()) return status;
+  (void)stream;
+  return not_built("schedule");
+}
+
+Status forward(const ForwardParams& params, cudaStream_t stream) {
+  if (Status status = validate(params); !status.ok()) return status;
+  if (Status status = check_device(); !status.ok()) return status;
+  (void)stream;
+  return not_built("forward");
+}
+
+Status backward(const BackwardParams& params, cudaStream_t stream) {
+  if (Status status = validate(params); !status.ok()) return status;
+  if (Status status = check_device(); !status.ok()) return status;
+  (void)stream;
+  return not_built("backward");
+}
+
+}  // namespace flashmsa

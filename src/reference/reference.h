@@ -1,0 +1,100 @@
+// The executable specification: a readable CPU implementation of every op of SPEC.md §1-§5.
+//
+// Every GPU test compares its kernel against `Precision::kFP64` and applies FA3's rule
+//   |kernel - fp64| <= 2 * |same computation in the input dtype - fp64| + atol,
+// where "the same computation in the input dtype" is this code run with Precision::kBF16/kFP16:
+// matmul accumulation in fp32 and each operand that a kernel stores in 16 bits (inputs, P before
+// P·V, dS before dS·K, outputs) rounded to that dtype. Precision::kFP32 rounds every intermediate
+// to fp32.
+//
+// Storage is always double; lower precisions only round values as they are produced. All tensors
+// are contiguous: activations [b, s, heads, dim], block_idx [b, hp, s, k], lse [b, h, s],
+// proxy_lse [b, hp, s].
+//
+// Row subsets: GPU tests at 32K-128K check sampled rows. `QueryRows` selects (b, i) query rows for
+// select / forward / KL / dq / dq_proxy; `KeyBlocks` selects (b, block) key blocks for dk, dv,
+// dk_proxy. Entries of outputs outside the subset are left NaN so a test can never read them by
+// accident. An empty subset means "all".
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "flashmsa/params.h"
+
+namespace flashmsa::reference {
+
+enum class Precision { kFP64, kFP32, kBF16, kFP16 };
+
+// Round x to the given precision (kFP64: identity; kFP32: float; kBF16/kFP16: round to nearest even).
+double round_to(double x, Precision precision);
+Precision precision_of(DType dtype);
+
+struct Inputs {
+  ProblemShape shape;
+  double softmax_scale = 0.0;  // σ; 0 means D^-1/2
+  double proxy_scale = 0.0;    // σp; 0 means Di^-1/2
+  std::vector<double> q;        // [b, s, h, d]
+  std::vector<double> k;        // [b, s, hkv, d]
+  std::vector<double> v;        // [b, s, hkv, d]
+  std::vector<double> q_proxy;  // [b, s, hp, di]
+  std::vector<double> k_proxy;  // [b, s, hpk, di]
+};
+
+// Fills q, k, v, q_proxy, k_proxy with N(0, 1) values rounded to `dtype` (deterministic in seed).
+Inputs random_inputs(const ProblemShape& shape, uint64_t seed, DType dtype);
+
+struct QueryRow {
+  int64_t batch;
+  int64_t row;
+};
+using QueryRows = std::vector<QueryRow>;  // empty: all rows
+
+struct KeyBlock {
+  int64_t batch;
+  int64_t block;
+};
+using KeyBlocks = std::vector<KeyBlock>;  // empty: all blocks
+
+// §1. block_idx [b, hp, s, k]; rows outside `rows` are set to INT32_MIN.
+std::vector<int32_t> select(const Inputs& in, Precision precision, const QueryRows& rows = {});
+
+// The block scores m_ic of §1 for one (b, p, i): a vector of length c(i)+1, local block = +inf.
+std::vector<double> block_scores(const Inputs& in, int64_t batch, int proxy_head, int64_t row,
+                                 Precision precision);
+
+struct ForwardOutputs {
+  std::vector<double> out;        // [b, s, h, d]
+  std::vector<double> lse;        // [b, h, s]
+  std::vector<double> proxy_lse;  // [b, hp, s]
+  std::vector<double> kl_rows;    // [b, hp, s]: Σ_{j∈T} t (log t - log π) for that (b, p, i)
+  double kl = 0.0;                // L_KL = mean of kl_rows over all (b, p, i); NaN for a subset
+};
+
+// §2-§3 (mode kSparse) or §5 (mode kWarmup; block_idx ignored and may be empty).
+ForwardOutputs forward(const Inputs& in, const std::vector<int32_t>& block_idx, Mode mode,
+                       Precision precision, const QueryRows& rows = {});
+
+struct Gradients {
+  std::vector<double> dq;        // [b, s, h, d]
+  std::vector<double> dk;        // [b, s, hkv, d]
+  std::vector<double> dv;        // [b, s, hkv, d]
+  std::vector<double> dq_proxy;  // [b, s, hp, di]
+  std::vector<double> dk_proxy;  // [b, s, hpk, di]
+};
+
+// §3-§4. `dout` [b, s, h, d] is the upstream gradient of out, `kl_grad` the upstream gradient ḡ of
+// the KL value. dq / dq_proxy are computed for `rows`, dk / dv / dk_proxy for `blocks`.
+Gradients backward(const Inputs& in, const std::vector<int32_t>& block_idx,
+                   const std::vector<double>& dout, double kl_grad, Mode mode, Precision precision,
+                   const QueryRows& rows = {}, const KeyBlocks& blocks = {});
+
+// A scalar function of all differentiable inputs, for finite-difference tests:
+//   loss = Σ out·dout + kl_grad · L_KL   (the selection held fixed at `block_idx`).
+// Its gradient with respect to q, k, v, q_proxy, k_proxy is exactly backward(...) in kFP64 except
+// that the KL's teacher is detached: the finite difference of L_KL w.r.t. q, k, v is not part of
+// the gradient (SPEC.md §3), so tests perturb q, k, v with kl_grad = 0.
+double loss(const Inputs& in, const std::vector<int32_t>& block_idx,
+            const std::vector<double>& dout, double kl_grad, Mode mode);
+
+}  // namespace flashmsa::reference
