@@ -1,0 +1,90 @@
+// The benchmark harness: CUDA-event timing with an L2 flush before every repetition, result rows in
+// the schema of SPEC.md "Results file", and a registry so each stage adds its benchmark in its own
+// file (bench/bench_<stage>.cu) without touching main.cpp.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "common/device_buffers.h"
+
+namespace flashmsa::bench {
+
+struct Row {
+  std::string system = "flashmsa";
+  std::string stage;    // select | schedule | forward | backward | fwd_bwd | step | warmup_fwd_bwd
+  std::string config;   // paper | specialized | seed | <other>
+  std::string pattern;  // random | hot | tile_shared | dense | "" (null)
+  int64_t seqlen = 0;
+  int64_t batch = 1;
+  double ms = 0.0;
+  double tflops = 0.0;  // counted FLOPs / time; 0 when not meaningful
+  double peak_mem_gb = 0.0;
+  std::string note;
+};
+
+struct Options {
+  std::vector<std::string> configs = {"paper"};
+  std::vector<int64_t> seqlens = {8192, 32768, 131072};
+  std::vector<std::string> patterns = {"random", "hot", "tile_shared"};
+  int warmup = 3;
+  int repeats = 10;
+};
+
+// Times `work` (enqueued on `stream`) `repeats` times after `warmup` runs; the 60 MB L2 is flushed
+// before each timed run, outside the timed region. Returns the median in milliseconds.
+inline double time_median_ms(const std::function<void(cudaStream_t)>& work, cudaStream_t stream,
+                             int warmup, int repeats) {
+  static testing::DeviceBuffer<char> flush(size_t(256) << 20);
+  for (int i = 0; i < warmup; ++i) work(stream);
+  cudaEvent_t start, stop;
+  FLASHMSA_CUDA_CHECK(cudaEventCreate(&start));
+  FLASHMSA_CUDA_CHECK(cudaEventCreate(&stop));
+  std::vector<double> times;
+  for (int i = 0; i < repeats; ++i) {
+    FLASHMSA_CUDA_CHECK(cudaMemsetAsync(flush.get(), i & 0xFF, flush.bytes(), stream));
+    FLASHMSA_CUDA_CHECK(cudaEventRecord(start, stream));
+    work(stream);
+    FLASHMSA_CUDA_CHECK(cudaEventRecord(stop, stream));
+    FLASHMSA_CUDA_CHECK(cudaEventSynchronize(stop));
+    float ms = 0.f;
+    FLASHMSA_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+    times.push_back(ms);
+  }
+  FLASHMSA_CUDA_CHECK(cudaGetLastError());
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  std::sort(times.begin(), times.end());
+  return times[times.size() / 2];
+}
+
+// Peak device memory in use since the last reset_peak_memory() (cudaMemGetInfo-based).
+double device_memory_used_gb();
+
+using BenchFunction = std::function<void(const Options&, std::vector<Row>&)>;
+
+struct Registration {
+  std::string stage;
+  BenchFunction function;
+};
+
+std::vector<Registration>& registry();
+
+struct Registrar {
+  Registrar(const std::string& stage, BenchFunction function) {
+    registry().push_back({stage, std::move(function)});
+  }
+};
+
+}  // namespace flashmsa::bench
+
+// Registers a benchmark of one stage: FLASHMSA_BENCH(select, bench_select) { ... }
+#define FLASHMSA_BENCH(stage, name)                                                         \
+  static void name(const ::flashmsa::bench::Options& options,                               \
+                   std::vector<::flashmsa::bench::Row>& rows);                              \
+  static ::flashmsa::bench::Registrar name##_registrar(#stage, name);                       \
+  static void name(const ::flashmsa::bench::Options& options, std::vector<::flashmsa::bench::Row>& rows)

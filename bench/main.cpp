@@ -1,0 +1,114 @@
+// flashmsa_bench: runs the registered stage benchmarks (bench/bench_<stage>.cu) over named configs,
+// sequence lengths and selection patterns, prints one line per row and writes the rows as JSON.
+//
+//   flashmsa_bench [--stages select,forward] [--configs paper,specialized] [--seqlens 8192,131072]
+//                  [--patterns random,hot,tile_shared] [--repeats N] [--out rows.json]
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "bench.h"
+#include "flashmsa/api.h"
+
+namespace flashmsa::bench {
+
+std::vector<Registration>& registry() {
+  static std::vector<Registration> registrations;
+  return registrations;
+}
+
+double device_memory_used_gb() {
+  size_t free_bytes = 0;
+  size_t total_bytes = 0;
+  if (cudaMemGetInfo(&free_bytes, &total_bytes) != cudaSuccess) return 0.0;
+  return double(total_bytes - free_bytes) / 1e9;
+}
+
+namespace {
+
+std::vector<std::string> split(const std::string& text) {
+  std::vector<std::string> items;
+  std::stringstream stream(text);
+  std::string item;
+  while (std::getline(stream, item, ',')) {
+    if (!item.empty()) items.push_back(item);
+  }
+  return items;
+}
+
+std::string json_string(const std::string& text) {
+  std::string quoted = "\"";
+  for (char ch : text) {
+    if (ch == '"' || ch == '\\') quoted += '\\';
+    quoted += ch;
+  }
+  return quoted + "\"";
+}
+
+void write_json(const std::string& path, const std::vector<Row>& rows) {
+  std::ofstream out(path);
+  out << "[\n";
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const Row& row = rows[i];
+    out << "  {\"system\": " << json_string(row.system) << ", \"stage\": " << json_string(row.stage)
+        << ", \"config\": " << json_string(row.config)
+        << ", \"pattern\": " << (row.pattern.empty() ? "null" : json_string(row.pattern))
+        << ", \"S\": " << row.seqlen << ", \"B\": " << row.batch << ", \"ms\": " << row.ms
+        << ", \"tflops\": " << row.tflops << ", \"peak_mem_gb\": " << row.peak_mem_gb
+        << ", \"note\": " << json_string(row.note) << "}" << (i + 1 < rows.size() ? "," : "")
+        << "\n";
+  }
+  out << "]\n";
+}
+
+}  // namespace
+}  // namespace flashmsa::bench
+
+int main(int argc, char** argv) {
+  using namespace flashmsa::bench;
+  Options options;
+  std::vector<std::string> stages;
+  std::string out_path = "bench_rows.json";
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string flag = argv[i];
+    const std::string value = argv[i + 1];
+    if (flag == "--stages") {
+      stages = split(value);
+    } else if (flag == "--configs") {
+      options.configs = split(value);
+    } else if (flag == "--seqlens") {
+      options.seqlens.clear();
+      for (const std::string& item : split(value)) options.seqlens.push_back(std::atoll(item.c_str()));
+    } else if (flag == "--patterns") {
+      options.patterns = split(value);
+    } else if (flag == "--repeats") {
+      options.repeats = std::atoi(value.c_str());
+    } else if (flag == "--out") {
+      out_path = value;
+    } else {
+      std::fprintf(stderr, "flashmsa_bench: unknown flag %s\n", flag.c_str());
+      return 2;
+    }
+  }
+  if (!flashmsa::hopper_available()) {
+    std::fprintf(stderr, "flashmsa_bench: no Hopper GPU (H100/H200) here; nothing to time\n");
+    return 1;
+  }
+  std::vector<Row> rows;
+  for (const Registration& registration : registry()) {
+    bool wanted = stages.empty();
+    for (const std::string& stage : stages) wanted = wanted || stage == registration.stage;
+    if (!wanted) continue;
+    registration.function(options, rows);
+  }
+  for (const Row& row : rows) {
+    std::printf("%-9s %-12s %-12s %-11s S=%-8lld %9.3f ms %7.1f TFLOP/s %s\n", row.system.c_str(),
+                row.stage.c_str(), row.config.c_str(), row.pattern.c_str(),
+                static_cast<long long>(row.seqlen), row.ms, row.tflops, row.note.c_str());
+  }
+  write_json(out_path, rows);
+  return 0;
+}
