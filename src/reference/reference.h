@@ -26,9 +26,21 @@ namespace flashmsa::reference {
 
 enum class Precision { kFP64, kFP32, kBF16, kFP16 };
 
-// Round x to the given precision (kFP64: identity; kFP32: float; kBF16/kFP16: round to nearest even).
+// Round x to the given precision (kFP64: identity; kFP32: float; kBF16/kFP16: round to nearest even,
+// with fp16 subnormals and overflow to ±inf).
 double round_to(double x, Precision precision);
 Precision precision_of(DType dtype);
+
+// Round a value held in a kernel's accumulator: fp32 for every precision except kFP64 (identity).
+double accumulate_round(double x, Precision precision);
+
+// ⟨a, b⟩ over n entries as a kernel computes it: operands rounded to `precision` (their storage
+// format), products and sum in fp32; exact double arithmetic in kFP64.
+double dot(const double* a, const double* b, int n, Precision precision);
+
+// y += alpha · x with the same rounding as dot(): alpha and x rounded to `precision`, y an fp32
+// accumulator (kFP64: plain double).
+void axpy(double alpha, const double* x, double* y, int n, Precision precision);
 
 struct Inputs {
   ProblemShape shape;
@@ -44,6 +56,25 @@ struct Inputs {
 // Fills q, k, v, q_proxy, k_proxy with N(0, 1) values rounded to `dtype` (deterministic in seed).
 Inputs random_inputs(const ProblemShape& shape, uint64_t seed, DType dtype);
 
+// Throws std::invalid_argument naming the rule when the shape's head divisibility (SPEC.md), the
+// sizes, the scales or the tensor lengths of `in` are wrong. Every op below calls it.
+void validate(const Inputs& in);
+
+// σ and σp with the defaults applied (D^-1/2, Di^-1/2).
+double softmax_scale(const Inputs& in);
+double proxy_scale(const Inputs& in);
+
+// Element offset of [b, s, head, 0] in a contiguous [batch, seq, heads, dim] tensor.
+inline int64_t offset_bshd(const ProblemShape& shape, int64_t b, int64_t s, int head, int num_heads,
+                           int dim) {
+  return ((b * shape.seqlen + s) * num_heads + head) * static_cast<int64_t>(dim);
+}
+
+// z_hij = σ⟨q_hi, k_gj⟩ (g = h/G) and s_pij = σp⟨q_proxy_pi, k_proxy_{p/R, j}⟩ in `precision`.
+double score(const Inputs& in, int64_t batch, int head, int64_t row, int64_t key, Precision precision);
+double proxy_score(const Inputs& in, int64_t batch, int proxy_head, int64_t row, int64_t key,
+                   Precision precision);
+
 struct QueryRow {
   int64_t batch;
   int64_t row;
@@ -56,12 +87,22 @@ struct KeyBlock {
 };
 using KeyBlocks = std::vector<KeyBlock>;  // empty: all blocks
 
+// Every (b, i) / every (b, block) of the shape, in order: what an empty subset stands for.
+QueryRows all_query_rows(const ProblemShape& shape);
+KeyBlocks all_key_blocks(const ProblemShape& shape);
+
 // §1. block_idx [b, hp, s, k]; rows outside `rows` are set to INT32_MIN.
 std::vector<int32_t> select(const Inputs& in, Precision precision, const QueryRows& rows = {});
 
 // The block scores m_ic of §1 for one (b, p, i): a vector of length c(i)+1, local block = +inf.
 std::vector<double> block_scores(const Inputs& in, int64_t batch, int proxy_head, int64_t row,
                                  Precision precision);
+
+// T_pi of SPEC.md §2 in ascending key order (§5 in warmup mode: all j <= i). Entries -1 of
+// block_idx are empty slots and a block listed twice counts once; any other entry outside
+// [0, NB) throws std::invalid_argument.
+std::vector<int64_t> selected_tokens(const Inputs& in, const std::vector<int32_t>& block_idx,
+                                     Mode mode, int64_t batch, int proxy_head, int64_t row);
 
 struct ForwardOutputs {
   std::vector<double> out;        // [b, s, h, d]
