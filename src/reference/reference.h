@@ -87,9 +87,10 @@ struct KeyBlock {
 };
 using KeyBlocks = std::vector<KeyBlock>;  // empty: all blocks
 
-// Every (b, i) / every (b, block) of the shape, in order: what an empty subset stands for.
-QueryRows all_query_rows(const ProblemShape& shape);
-KeyBlocks all_key_blocks(const ProblemShape& shape);
+// The rows / key blocks an op evaluates: the subset itself (each entry checked to lie inside the
+// shape, else std::invalid_argument) or, when it is empty, every (b, i) / (b, block) in order.
+QueryRows resolve_rows(const ProblemShape& shape, const QueryRows& rows);
+KeyBlocks resolve_blocks(const ProblemShape& shape, const KeyBlocks& blocks);
 
 // §1. block_idx [b, hp, s, k]; rows outside `rows` are set to INT32_MIN.
 std::vector<int32_t> select(const Inputs& in, Precision precision, const QueryRows& rows = {});
