@@ -22,12 +22,13 @@ std::string str_cat(const Parts&... parts) {
 
 }  // namespace flashmsa::detail
 
-// When `cond` is false, return Status{code, "<arg>: <message parts...>"} from the enclosing function.
-#define FLASHMSA_CHECK_STATUS(cond, code, arg, ...)                                           \
-  do {                                                                                        \
-    if (!(cond)) {                                                                            \
-      return ::flashmsa::Status{code, ::flashmsa::detail::str_cat(arg, ": ", __VA_ARGS__)};  \
-    }                                                                                         \
+// When `cond` is false, return Status{code, "<arg>: <message parts...>"} from the enclosing
+// function.
+#define FLASHMSA_CHECK_STATUS(cond, code, arg, ...)                                         \
+  do {                                                                                      \
+    if (!(cond)) {                                                                          \
+      return ::flashmsa::Status{code, ::flashmsa::detail::str_cat(arg, ": ", __VA_ARGS__)}; \
+    }                                                                                       \
   } while (0)
 
 // A violated SPEC.md §6 rule.
@@ -39,10 +40,9 @@ std::string str_cat(const Parts&... parts) {
   FLASHMSA_CHECK_STATUS(cond, ::flashmsa::StatusCode::kUnsupported, arg, __VA_ARGS__)
 
 // Propagate a failed Status from a helper check.
-#define FLASHMSA_RETURN_IF_ERROR(expr)                      \
-  do {                                                      \
-    if (::flashmsa::Status flashmsa_status_ = (expr);       \
-        !flashmsa_status_.ok()) {                           \
-      return flashmsa_status_;                              \
-    }                                                       \
+#define FLASHMSA_RETURN_IF_ERROR(expr)                                          \
+  do {                                                                          \
+    if (::flashmsa::Status flashmsa_status_ = (expr); !flashmsa_status_.ok()) { \
+      return flashmsa_status_;                                                  \
+    }                                                                           \
   } while (0)
