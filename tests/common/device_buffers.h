@@ -34,7 +34,7 @@ class DeviceBuffer {
  public:
   DeviceBuffer() = default;
   explicit DeviceBuffer(size_t count) : count_(count) {
-    if (count_ > 0) FLASHMSA_CUDA_CHECK(cudaMalloc(&ptr_, count_ * sizeof(T)));
+    if (count_ > 0) FLASHMSA_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&ptr_), count_ * sizeof(T)));
   }
   ~DeviceBuffer() {
     if (ptr_ != nullptr) cudaFree(ptr_);
