@@ -1,106 +1,336 @@
-// Select kernel (SPEC.md §1): block scores of q_proxy·k_proxyᵀ, forced local block, top-K.
+// Select kernel (SPEC.md §1): block scores of q_proxy·k_proxyᵀ, forced local block, top-K, fused.
 //
-// Straightforward version: one CTA per (batch, proxy head, query block), one thread per query row.
-// The CTA streams the visible key blocks c < c(i) through shared memory; each thread reduces the
-// block maximum of its row and keeps its K-1 best (score, block) in shared memory, ordered by
-// descending score with ties to the smaller block (blocks arrive in ascending order, so an equal
-// score never displaces an earlier block). The local block c(i) is written first (score +inf).
-// config.h holds the constants; launch.cu dispatches to the instantiations.
+// config.h comes before (tiles, shared memory); instantiations/*.cu instantiate run_select and
+// launch.cu dispatches to them. docs/design.md "Select kernel" has the design and the numbers.
+//
+// Roles:
+//   scheduler  persistent CTAs walk the tiles longest first, in snake order (tile_at).
+//   producer   warpgroup 0, one thread: TMA loads of the query tile (256 rows) and of the key
+//              blocks c < c(rows) into a ring of stages.
+//   mainloop   warpgroups 1-2, 128 rows each: S = Q·Kᵀ for one key block on wgmma (two m64n128
+//              fragments, fp32 accumulators), ping-ponged so one warpgroup's epilogue runs under
+//              the other's matrix work.
+//   epilogue   per key block: row maxima (the block score, times σp), then the streaming top-K.
+//              Per tile: block_idx rows written, local block first.
+//
+// NOTES: no token-level mask is ever needed. The local block c(i) is forced (+inf), so its scores
+// are never computed; every other visible block c < c(i) is entirely visible (all its keys j < i);
+// and keys >= S lie only in the last block, which is local to every query that could see it.
+//
+// NOTES: the streaming top-K. Each row's K-1 best (score, block) pairs live in shared memory, sorted
+// by descending score, owned by one thread (the quad's four threads each own one of the four rows
+// their accumulator fragments share). Blocks arrive in ascending order, so a new block enters only
+// with a score strictly above the current (K-1)-th (kept in a register as the threshold): an equal
+// score keeps the earlier, smaller block, which is SPEC.md's tie rule. Insertion shifts the tail by
+// one; after the first K blocks most scores fall below the threshold and nothing moves.
 #pragma once
 
+#include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
 
 #include "flashmsa/api.h"
+#include "kernels/common/ptx/barrier.h"
+#include "kernels/common/ptx/tma.h"
+#include "kernels/common/ptx/wgmma.h"
+#include "kernels/common/tma_desc.h"
 #include "kernels/select/config.h"
 
 namespace flashmsa::kernels::select {
 
-template <typename T>
-__device__ __forceinline__ float to_float(T x);
-template <>
-__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-template <>
-__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+// ---------------------------------------------------------------------------------------------
+// Tile scheduler
+// ---------------------------------------------------------------------------------------------
 
-template <typename T>
-__global__ void __launch_bounds__(kThreads) select_kernel(SelectParams params, float scale) {
-  extern __shared__ __align__(16) unsigned char smem[];
-  T* key_tile = reinterpret_cast<T*>(smem);                                      // [128, Di]
-  float* list_score = reinterpret_cast<float*>(smem + kKeyTileBytes);           // [keep, 128]
-  int* list_block = reinterpret_cast<int*>(smem + kKeyTileBytes + kListBytes / 2);  // [keep, 128]
+// One CTA tile: `heads_per_tile` proxy heads (from first_proxy_head) × `tokens_per_tile` tokens
+// (from first_token) of one batch, all sharing key head `key_head`.
+struct Tile {
+  int batch;
+  int key_head;
+  int first_proxy_head;
+  int first_token;
+  int num_key_blocks;  // key blocks the tile's rows can see besides their local block
+};
 
-  const ProblemShape& shape = params.shape;
-  const int query_block = blockIdx.x;
-  const int proxy_head = blockIdx.y;
-  const int64_t batch = blockIdx.z;
-  const int key_head = proxy_head / (shape.num_proxy_heads / shape.num_proxy_kv_heads);
-  const int64_t row = int64_t(query_block) * kBlockSize + threadIdx.x;
-  const bool row_valid = row < shape.seqlen;
-  const int keep = shape.top_k - 1;
+// Tiles are numbered longest first: index u -> query tile num_query_tiles-1 - u / num_groups.
+__device__ __forceinline__ Tile tile_at(const KernelParams& params, int index) {
+  const int query_tile = params.num_query_tiles - 1 - index / params.num_groups;
+  const int group = index % params.num_groups;
+  Tile tile;
+  const int subgroup = group % params.subgroups;
+  const int head_group = group / params.subgroups;  // batch · Hpk + key head
+  const int num_key_heads = params.num_proxy_heads / params.proxy_ratio;
+  tile.batch = head_group / num_key_heads;
+  tile.key_head = head_group % num_key_heads;
+  tile.first_proxy_head = tile.key_head * params.proxy_ratio + subgroup * params.heads_per_tile;
+  tile.first_token = query_tile * params.tokens_per_tile;
+  const int last_token = min(tile.first_token + params.tokens_per_tile, params.seqlen) - 1;
+  tile.num_key_blocks = last_token / kBlockSize;
+  return tile;
+}
 
-  const T* q = static_cast<const T*>(params.q_proxy.ptr) + batch * params.q_proxy.batch_stride +
-               proxy_head * params.q_proxy.head_stride;
-  const T* k = static_cast<const T*>(params.k_proxy.ptr) + batch * params.k_proxy.batch_stride +
-               key_head * params.k_proxy.head_stride;
+// The r-th tile of CTA `cta` among `ctas`: snake order over the longest-first list, so that the
+// sum of tile lengths evens out between CTAs. Returns -1 past the end.
+__device__ __forceinline__ int scheduled_tile(int round, int cta, int ctas, int num_tiles) {
+  const int index = round * ctas + ((round & 1) ? ctas - 1 - cta : cta);
+  return index < num_tiles ? index : -1;
+}
 
-  float query[kHeadDim];
-  for (int d = 0; d < kHeadDim; ++d) {
-    query[d] = row_valid ? to_float(q[row * params.q_proxy.seq_stride + d]) : 0.f;
+// ---------------------------------------------------------------------------------------------
+// Kernel
+// ---------------------------------------------------------------------------------------------
+
+template <typename Element, int kMaxKeep, int kStages>
+__global__ void __launch_bounds__(kThreads, 1)
+    select_kernel(const __grid_constant__ CUtensorMap query_map,
+                  const __grid_constant__ CUtensorMap key_map, const KernelParams params) {
+  using Storage = SharedStorage<Element, kMaxKeep, kStages>;
+  extern __shared__ unsigned char smem_raw[];
+  Storage& smem = *reinterpret_cast<Storage*>(
+      (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+
+  constexpr uint32_t kQueryBytes = 2 * kTileRows * kHalfDim * sizeof(Element);
+  constexpr uint32_t kKeyBytes = 2 * kBlockSize * kHalfDim * sizeof(Element);
+  constexpr uint32_t kConsumerWarps = 4 * kConsumerWarpgroups;
+
+  const int warpgroup = threadIdx.x / 128;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      ptx::mbarrier_init(&smem.key_full[s], 1);
+      ptx::mbarrier_init(&smem.key_empty[s], kConsumerWarps);
+    }
+    ptx::mbarrier_init(&smem.query_full, 1);
+    ptx::mbarrier_init(&smem.query_empty, kConsumerWarps);
+    ptx::fence_barrier_init();
+    ptx::tma_prefetch_descriptor(&query_map);
+    ptx::tma_prefetch_descriptor(&key_map);
   }
+  __syncthreads();
 
-  int count = 0;
-  float threshold = -INFINITY;
-  for (int block = 0; block < query_block; ++block) {
-    __syncthreads();
-    for (int e = threadIdx.x; e < kBlockSize * kHeadDim; e += kThreads) {
-      const int key = e / kHeadDim;
-      const int d = e % kHeadDim;
-      key_tile[e] = k[(int64_t(block) * kBlockSize + key) * params.k_proxy.seq_stride + d];
-    }
-    __syncthreads();
-    float best = -INFINITY;
-    for (int key = 0; key < kBlockSize; ++key) {
-      float dot = 0.f;
-      for (int d = 0; d < kHeadDim; ++d) dot = fmaf(query[d], to_float(key_tile[key * kHeadDim + d]), dot);
-      best = fmaxf(best, dot * scale);
-    }
-    if (keep > 0 && (count < keep || best > threshold)) {
-      int pos = count < keep ? count : keep - 1;
-      while (pos > 0 && list_score[(pos - 1) * kThreads + threadIdx.x] < best) {
-        list_score[pos * kThreads + threadIdx.x] = list_score[(pos - 1) * kThreads + threadIdx.x];
-        list_block[pos * kThreads + threadIdx.x] = list_block[(pos - 1) * kThreads + threadIdx.x];
-        --pos;
+  if (warpgroup == 0) {
+    // ===================================== producer =====================================
+    ptx::warpgroup_registers_decrease<kProducerRegisters>();
+    if (threadIdx.x != 0) return;
+    int load = 0;  // key blocks loaded so far: stage = load % kStages
+    for (int round = 0, tile_iter = 0;; ++round, ++tile_iter) {
+      const int index = scheduled_tile(round, blockIdx.x, gridDim.x, params.num_tiles);
+      if (index < 0) break;
+      const Tile tile = tile_at(params, index);
+      ptx::mbarrier_wait(&smem.query_empty, (tile_iter & 1) ^ 1);
+      ptx::mbarrier_arrive_expect_tx(&smem.query_full, kQueryBytes);
+      for (int half = 0; half < 2; ++half) {
+        ptx::tma_load_4d(smem.query[half], &query_map, &smem.query_full, half * kHalfDim,
+                         tile.first_token, tile.first_proxy_head, tile.batch);
       }
-      list_score[pos * kThreads + threadIdx.x] = best;
-      list_block[pos * kThreads + threadIdx.x] = block;
-      if (count < keep) ++count;
-      if (count == keep) threshold = list_score[(keep - 1) * kThreads + threadIdx.x];
+      for (int block = 0; block < tile.num_key_blocks; ++block, ++load) {
+        const int stage = load % kStages;
+        ptx::mbarrier_wait(&smem.key_empty[stage], ((load / kStages) & 1) ^ 1);
+        ptx::mbarrier_arrive_expect_tx(&smem.key_full[stage], kKeyBytes);
+        for (int half = 0; half < 2; ++half) {
+          ptx::tma_load_4d(smem.key[stage][half], &key_map, &smem.key_full[stage], half * kHalfDim,
+                           block * kBlockSize, tile.key_head, tile.batch);
+        }
+      }
     }
+    return;
   }
 
-  if (!row_valid) return;
-  int32_t* out = params.block_idx + ((batch * shape.num_proxy_heads + proxy_head) * shape.seqlen + row) *
-                                        shape.top_k;
-  out[0] = query_block;
-  for (int slot = 1; slot < shape.top_k; ++slot) {
-    out[slot] = slot - 1 < count ? list_block[(slot - 1) * kThreads + threadIdx.x] : -1;
+  // ===================================== consumers =====================================
+  ptx::warpgroup_registers_increase<kConsumerRegisters>();
+  const int consumer = warpgroup - 1;                 // 0 or 1
+  const int column = threadIdx.x - 128;               // owner column in the top-K lists, 0..255
+  const int warp = (threadIdx.x / 32) % 4;
+  const int lane = threadIdx.x % 32;
+  const int quad_lane = lane & 3;
+  // The row this thread owns: fragment (quad_lane >> 1), upper/lower 8 rows (quad_lane & 1).
+  const int owned_row = consumer * kRowsPerWarpgroup + (quad_lane >> 1) * 64 + warp * 16 + lane / 4 +
+                        (quad_lane & 1) * 8;
+  const int keep = params.top_k - 1;
+  const float scale = params.scale;
+
+  // Ping-pong: named barrier 1 + w is "warpgroup w may issue"; warpgroup 0 starts.
+  constexpr uint32_t kPingPongThreads = 2 * 128;
+  if (consumer == 1) ptx::named_barrier_arrive(1, kPingPongThreads);
+
+  float accum[2][64];  // (m64 fragment, 64 values): rows consumer·128 + fragment·64 + ...
+  int load = 0;
+  for (int round = 0, tile_iter = 0;; ++round, ++tile_iter) {
+    const int index = scheduled_tile(round, blockIdx.x, gridDim.x, params.num_tiles);
+    if (index < 0) break;
+    const Tile tile = tile_at(params, index);
+    const int row_token = tile.first_token + owned_row % params.tokens_per_tile;
+    const int row_head = tile.first_proxy_head + owned_row / params.tokens_per_tile;
+    const int row_block = row_token / kBlockSize;
+    int count = 0;
+    float threshold = keep > 0 ? -INFINITY : INFINITY;
+
+    ptx::mbarrier_wait(&smem.query_full, tile_iter & 1);
+    if (tile.num_key_blocks == 0 && lane == 0) ptx::mbarrier_arrive(&smem.query_empty);
+
+    for (int block = 0; block < tile.num_key_blocks; ++block, ++load) {
+      const int stage = load % kStages;
+      ptx::mbarrier_wait(&smem.key_full[stage], (load / kStages) & 1);
+
+      // ---- mainloop: S[128 rows, 128 keys] = Q·Kᵀ for this warpgroup's rows ----
+      ptx::named_barrier_sync(1 + consumer, kPingPongThreads);
+      ptx::wgmma_fence();
+      const uint64_t key_desc[2] = {ptx::make_sw128_kmajor_desc(smem.key[stage][0]),
+                                    ptx::make_sw128_kmajor_desc(smem.key[stage][1])};
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const Element* query_half = smem.query[half] + consumer * kRowsPerWarpgroup * kHalfDim;
+#pragma unroll
+        for (int k_step = 0; k_step < kHalfDim / 16; ++k_step) {
+#pragma unroll
+          for (int fragment = 0; fragment < 2; ++fragment) {
+            const uint64_t query_desc = ptx::advance_desc(
+                ptx::make_sw128_kmajor_desc(query_half + fragment * 64 * kHalfDim), k_step * 32);
+            ptx::Wgmma64x128x16<Element>::run(accum[fragment], query_desc,
+                                              ptx::advance_desc(key_desc[half], k_step * 32),
+                                              (half | k_step) != 0);
+          }
+        }
+      }
+      ptx::wgmma_commit_group();
+      ptx::named_barrier_arrive(1 + (1 - consumer), kPingPongThreads);
+      ptx::wgmma_wait_group<0>();
+      ptx::fence_accumulators(accum[0]);
+      ptx::fence_accumulators(accum[1]);
+      __syncwarp();
+      if (lane == 0) {
+        ptx::mbarrier_arrive(&smem.key_empty[stage]);
+        if (block == tile.num_key_blocks - 1) ptx::mbarrier_arrive(&smem.query_empty);
+      }
+
+      // ---- epilogue: block maxima of the four rows of this quad, reduce-scattered ----
+      float row_max[4];  // (fragment, upper/lower 8 rows)
+#pragma unroll
+      for (int fragment = 0; fragment < 2; ++fragment) {
+#pragma unroll
+        for (int upper = 0; upper < 2; ++upper) {
+          float even = accum[fragment][2 * upper];
+          float odd = accum[fragment][2 * upper + 1];
+#pragma unroll
+          for (int j = 1; j < 16; ++j) {
+            even = fmaxf(even, accum[fragment][4 * j + 2 * upper]);
+            odd = fmaxf(odd, accum[fragment][4 * j + 2 * upper + 1]);
+          }
+          row_max[fragment * 2 + upper] = fmaxf(even, odd);
+        }
+      }
+      // Step 1 (lanes ^ 2): keep my fragment's two rows; step 2 (lanes ^ 1): keep my row.
+      const bool my_fragment = quad_lane >> 1;
+      const bool my_upper = quad_lane & 1;
+      float keep0 = my_fragment ? row_max[2] : row_max[0];
+      float keep1 = my_fragment ? row_max[3] : row_max[1];
+      const float send0 = my_fragment ? row_max[0] : row_max[2];
+      const float send1 = my_fragment ? row_max[1] : row_max[3];
+      keep0 = fmaxf(keep0, __shfl_xor_sync(0xffffffffu, send0, 2));
+      keep1 = fmaxf(keep1, __shfl_xor_sync(0xffffffffu, send1, 2));
+      const float mine = my_upper ? keep1 : keep0;
+      const float other = my_upper ? keep0 : keep1;
+      float score = fmaxf(mine, __shfl_xor_sync(0xffffffffu, other, 1)) * scale;
+      if (score != score) score = -INFINITY;  // NaN ranks lowest, as in the reference
+
+      // ---- epilogue: streaming top-K insertion (rare once the list is full) ----
+      if (block < row_block && (count < keep || score > threshold)) {
+        int position = count < keep ? count : keep - 1;
+        while (position > 0 && score > smem.list_score[position - 1][column]) {
+          smem.list_score[position][column] = smem.list_score[position - 1][column];
+          smem.list_block[position][column] = smem.list_block[position - 1][column];
+          --position;
+        }
+        smem.list_score[position][column] = score;
+        smem.list_block[position][column] = static_cast<uint16_t>(block);
+        count = min(count + 1, keep);
+        if (count == keep) threshold = smem.list_score[keep - 1][column];
+      }
+    }
+
+    // ---- epilogue: write the row, local block first, -1 in the empty slots ----
+    if (row_token < params.seqlen) {
+      int32_t* out = params.block_idx +
+                     ((int64_t(tile.batch) * params.num_proxy_heads + row_head) * params.seqlen +
+                      row_token) * params.top_k;
+      out[0] = row_block;
+      for (int slot = 1; slot < params.top_k; ++slot) {
+        out[slot] = slot - 1 < count ? int32_t(smem.list_block[slot - 1][column]) : -1;
+      }
+    }
   }
 }
 
-// Launcher: grid (query blocks, proxy heads, batch).
-template <typename T>
+// ---------------------------------------------------------------------------------------------
+// Launch
+// ---------------------------------------------------------------------------------------------
+
+template <typename Element, int kMaxTopKOfBucket>
 Status run_select(const SelectParams& params, cudaStream_t stream) {
-  const float scale = params.proxy_scale != 0.f ? params.proxy_scale
-                                                : 1.f / std::sqrt(float(params.shape.proxy_head_dim));
-  cudaError_t error = cudaFuncSetAttribute(select_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           kSmemBytes);
+  using Bucket = TopKBucket<kMaxTopKOfBucket>;
+  constexpr int kSmemBytes = smem_bytes<Element, Bucket::kMaxKeep, Bucket::kStages>();
+  static_assert(kSmemBytes <= kMaxSmemBytes, "select: shared memory over the 227 KB budget");
+  const ProblemShape& shape = params.shape;
+  if (shape.num_blocks() > 65536) {
+    return {StatusCode::kUnsupported,
+            "shape.seqlen: select stores block indices in 16 bits (S <= 8388608)"};
+  }
+
+  KernelParams kernel_params{};
+  kernel_params.block_idx = params.block_idx;
+  kernel_params.seqlen = int(shape.seqlen);
+  kernel_params.num_proxy_heads = shape.num_proxy_heads;
+  kernel_params.proxy_ratio = shape.num_proxy_heads / shape.num_proxy_kv_heads;
+  // NOTES: heads per tile = the largest power of two dividing R, at most 4 (T >= 64 tokens), so a
+  // tile never straddles two key heads and wastes no rows.
+  int heads_per_tile = 1;
+  while (heads_per_tile < 4 && kernel_params.proxy_ratio % (heads_per_tile * 2) == 0) heads_per_tile *= 2;
+  kernel_params.heads_per_tile = heads_per_tile;
+  kernel_params.tokens_per_tile = kTileRows / heads_per_tile;
+  kernel_params.top_k = shape.top_k;
+  kernel_params.subgroups = kernel_params.proxy_ratio / heads_per_tile;
+  kernel_params.num_groups = int(shape.batch) * shape.num_proxy_kv_heads * kernel_params.subgroups;
+  kernel_params.num_query_tiles =
+      int((shape.seqlen + kernel_params.tokens_per_tile - 1) / kernel_params.tokens_per_tile);
+  const int64_t num_tiles = int64_t(kernel_params.num_groups) * kernel_params.num_query_tiles;
+  if (num_tiles > INT32_MAX) {
+    return {StatusCode::kUnsupported, "shape: select supports at most 2^31 tiles"};
+  }
+  kernel_params.num_tiles = int(num_tiles);
+  kernel_params.scale = params.proxy_scale != 0.f ? params.proxy_scale
+                                                  : 1.f / std::sqrt(float(shape.proxy_head_dim));
+
+  CUtensorMap query_map;
+  CUtensorMap key_map;
+  const TensorMapBox query_box{kHalfDim, uint32_t(kernel_params.tokens_per_tile), uint32_t(heads_per_tile)};
+  const TensorMapBox key_box{kHalfDim, kBlockSize, 1};
+  if (Status status = make_tensor_map_sw128(&query_map, params.q_proxy, params.dtype, shape.batch,
+                                            shape.seqlen, shape.num_proxy_heads, kHeadDim, query_box);
+      !status.ok()) {
+    return status;
+  }
+  if (Status status = make_tensor_map_sw128(&key_map, params.k_proxy, params.dtype, shape.batch,
+                                            shape.seqlen, shape.num_proxy_kv_heads, kHeadDim, key_box);
+      !status.ok()) {
+    return status;
+  }
+
+  auto kernel = select_kernel<Element, Bucket::kMaxKeep, Bucket::kStages>;
+  int device = 0;
+  int num_sms = 0;
+  cudaError_t error = cudaGetDevice(&device);
+  if (error == cudaSuccess) error = cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device);
+  if (error == cudaSuccess) {
+    error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  }
   if (error != cudaSuccess) return {StatusCode::kCudaError, cudaGetErrorString(error)};
-  const dim3 grid(unsigned(params.shape.num_blocks()), unsigned(params.shape.num_proxy_heads),
-                  unsigned(params.shape.batch));
-  select_kernel<T><<<grid, kThreads, kSmemBytes, stream>>>(params, scale);
+  if (kernel_params.num_tiles == 0) return Status::Ok();
+  const int grid = std::min(kernel_params.num_tiles, num_sms);
+  kernel<<<grid, kThreads, kSmemBytes, stream>>>(query_map, key_map, kernel_params);
   error = cudaGetLastError();
   if (error != cudaSuccess) return {StatusCode::kCudaError, cudaGetErrorString(error)};
   return Status::Ok();

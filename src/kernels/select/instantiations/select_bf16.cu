@@ -1,6 +1,0 @@
-// The bf16 instantiation of the select kernel (kernel.cuh).
-#include "kernels/select/kernel.cuh"
-
-namespace flashmsa::kernels::select {
-template Status run_select<__nv_bfloat16>(const SelectParams&, cudaStream_t);
-}  // namespace flashmsa::kernels::select
