@@ -30,7 +30,9 @@ int64_t block_idx_size(const ProblemShape& s) {
   return s.batch * s.num_proxy_heads * s.seqlen * s.top_k;
 }
 
-// Sparse mode needs a block_idx of the right size whose entries are -1 or a block index.
+// Sparse mode needs a block_idx of the right size. Its entries are checked row by row where they
+// are read (row_slots), so a block_idx that select() filled only for a subset of rows serves a
+// forward or dq pass over that subset.
 void check_block_idx(const ProblemShape& s, const std::vector<int32_t>& block_idx, Mode mode) {
   if (mode == Mode::kWarmup) return;
   require(s.top_k >= 1 && s.top_k <= kMaxTopK,
@@ -38,10 +40,19 @@ void check_block_idx(const ProblemShape& s, const std::vector<int32_t>& block_id
   require(static_cast<int64_t>(block_idx.size()) == block_idx_size(s),
           "block_idx has " + std::to_string(block_idx.size()) + " entries, expected B*Hp*S*K = " +
               std::to_string(block_idx_size(s)));
-  for (int32_t c : block_idx) {
-    require(c >= -1 && c < s.num_blocks(),
-            "block_idx entry " + std::to_string(c) + " is neither -1 nor a block in [0, NB)");
+}
+
+// The K slots of (b, p, i), each checked to be -1 or a block index.
+const int32_t* row_slots(const ProblemShape& s, const std::vector<int32_t>& block_idx, int64_t b,
+                         int p, int64_t i) {
+  const int32_t* slots = &block_idx[((b * s.num_proxy_heads + p) * s.seqlen + i) * s.top_k];
+  for (int slot = 0; slot < s.top_k; ++slot) {
+    require(slots[slot] >= -1 && slots[slot] < s.num_blocks(),
+            "block_idx[" + std::to_string(b) + ", " + std::to_string(p) + ", " +
+                std::to_string(i) + ", " + std::to_string(slot) + "] = " +
+                std::to_string(slots[slot]) + " is neither -1 nor a block in [0, NB)");
   }
+  return slots;
 }
 
 void check_dout(const ProblemShape& s, const std::vector<double>& dout) {
@@ -96,7 +107,7 @@ struct Problem {
   // Is block c in T_pi? Only asked for rows i in or after block c.
   bool block_selected(int64_t b, int p, int64_t i, int64_t c) const {
     if (mode == Mode::kWarmup) return true;
-    const int32_t* slots = &block_idx[((b * s().num_proxy_heads + p) * s().seqlen + i) * s().top_k];
+    const int32_t* slots = row_slots(s(), block_idx, b, p, i);
     for (int slot = 0; slot < s().top_k; ++slot) {
       if (slots[slot] == c) return true;
     }
@@ -326,13 +337,10 @@ std::vector<int64_t> selected_tokens(const Inputs& in, const std::vector<int32_t
   const ProblemShape& s = in.shape;
   require(static_cast<int64_t>(block_idx.size()) == block_idx_size(s),
           "block_idx must have B*Hp*S*K entries");
-  const int32_t* slots = &block_idx[((batch * s.num_proxy_heads + proxy_head) * s.seqlen + row) *
-                                    s.top_k];
+  const int32_t* slots = row_slots(s, block_idx, batch, proxy_head, row);
   std::vector<int64_t> blocks;
   for (int slot = 0; slot < s.top_k; ++slot) {
     const int32_t c = slots[slot];
-    require(c >= -1 && c < s.num_blocks(),
-            "block_idx entry " + std::to_string(c) + " is neither -1 nor a block in [0, NB)");
     if (c >= 0 && c * int64_t{kBlockSize} <= row) blocks.push_back(c);
   }
   std::sort(blocks.begin(), blocks.end());

@@ -126,7 +126,10 @@ struct Gradients {
 };
 
 // §3-§4. `dout` [b, s, h, d] is the upstream gradient of out, `kl_grad` the upstream gradient ḡ of
-// the KL value. dq / dq_proxy are computed for `rows`, dk / dv / dk_proxy for `blocks`.
+// the KL value. dq / dq_proxy are computed for `rows`, dk / dv / dk_proxy for `blocks`. A key
+// block's gradients sum over every later query row that selected it, so they read block_idx of all
+// rows from the block on (a block_idx that select() filled for a row subset only is rejected there);
+// dq / dq_proxy read only their own rows.
 Gradients backward(const Inputs& in, const std::vector<int32_t>& block_idx,
                    const std::vector<double>& dout, double kl_grad, Mode mode, Precision precision,
                    const QueryRows& rows = {}, const KeyBlocks& blocks = {});
