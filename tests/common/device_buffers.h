@@ -10,7 +10,6 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <string>
 #include <vector>
 
@@ -72,26 +71,23 @@ class DeviceBuffer {
 
 // 16-bit storage of the kernel dtype; values are converted with round-to-nearest-even.
 inline uint16_t to_half_bits(double value, DType dtype) {
-  uint16_t bits;
   if (dtype == DType::kBF16) {
-    __nv_bfloat16 x = __float2bfloat16_rn(static_cast<float>(value));
-    std::memcpy(&bits, &x, sizeof(bits));
-  } else {
-    __half x = __float2half_rn(static_cast<float>(value));
-    std::memcpy(&bits, &x, sizeof(bits));
+    const __nv_bfloat16_raw raw = __float2bfloat16_rn(static_cast<float>(value));
+    return raw.x;
   }
-  return bits;
+  const __half_raw raw = __float2half_rn(static_cast<float>(value));
+  return raw.x;
 }
 
 inline double from_half_bits(uint16_t bits, DType dtype) {
   if (dtype == DType::kBF16) {
-    __nv_bfloat16 x;
-    std::memcpy(&x, &bits, sizeof(bits));
-    return static_cast<double>(__bfloat162float(x));
+    __nv_bfloat16_raw raw;
+    raw.x = bits;
+    return static_cast<double>(__bfloat162float(__nv_bfloat16(raw)));
   }
-  __half x;
-  std::memcpy(&x, &bits, sizeof(bits));
-  return static_cast<double>(__half2float(x));
+  __half_raw raw;
+  raw.x = bits;
+  return static_cast<double>(__half2float(__half(raw)));
 }
 
 inline DeviceBuffer<uint16_t> upload_half(const std::vector<double>& host, DType dtype) {
