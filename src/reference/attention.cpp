@@ -47,10 +47,11 @@ const int32_t* row_slots(const ProblemShape& s, const std::vector<int32_t>& bloc
                          int p, int64_t i) {
   const int32_t* slots = &block_idx[((b * s.num_proxy_heads + p) * s.seqlen + i) * s.top_k];
   for (int slot = 0; slot < s.top_k; ++slot) {
-    require(slots[slot] >= -1 && slots[slot] < s.num_blocks(),
-            "block_idx[" + std::to_string(b) + ", " + std::to_string(p) + ", " +
-                std::to_string(i) + ", " + std::to_string(slot) + "] = " +
-                std::to_string(slots[slot]) + " is neither -1 nor a block in [0, NB)");
+    if (slots[slot] < -1 || slots[slot] >= s.num_blocks()) {  // hot path: message only on failure
+      require(false, "block_idx[" + std::to_string(b) + ", " + std::to_string(p) + ", " +
+                         std::to_string(i) + ", " + std::to_string(slot) + "] = " +
+                         std::to_string(slots[slot]) + " is neither -1 nor a block in [0, NB)");
+    }
   }
   return slots;
 }
@@ -185,6 +186,9 @@ class Backward {
   Backward(const Problem& pb, const std::vector<double>& dout, double kl_grad, Gradients& grads)
       : pb_(pb), s_(pb.s()), dout_(dout), grads_(grads) {
     // ∂L/∂s_pij = ḡ (π - t) / (B·Hp·S); σp joins it so dq_proxy = kl_factor · Σ_j (π - t) k_proxy_j.
+    // NOTES: the emulated precisions round (π - t) to 16 bits as the matmul operand and apply the
+    // tiny factor ḡσp/(B·Hp·S) to the fp32 sum afterwards, as a kernel must: rounding the scaled
+    // gradient itself would flush it to zero in fp16 at long sequence lengths.
     const double rows = static_cast<double>(s_.batch) * s_.num_proxy_heads * s_.seqlen;
     kl_factor_ = pb.acc(kl_grad * proxy_scale(pb.in) / rows);
     scale_ = pb.acc(softmax_scale(pb.in));
