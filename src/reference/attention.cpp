@@ -38,8 +38,8 @@ void check_block_idx(const ProblemShape& s, const std::vector<int32_t>& block_id
   require(s.top_k >= 1 && s.top_k <= kMaxTopK,
           "top_k = " + std::to_string(s.top_k) + " must lie in [1, 64]");
   require(static_cast<int64_t>(block_idx.size()) == block_idx_size(s),
-          "block_idx has " + std::to_string(block_idx.size()) + " entries, expected B*Hp*S*K = " +
-              std::to_string(block_idx_size(s)));
+          "block_idx has " + std::to_string(block_idx.size()) +
+              " entries, expected B*Hp*S*K = " + std::to_string(block_idx_size(s)));
 }
 
 // The K slots of (b, p, i), each checked to be -1 or a block index.
@@ -101,9 +101,7 @@ struct Problem {
   }
 
   // exp(logit - lse): P_hij from z and LSE, or π_pij from s and the proxy LSE.
-  double softmax_prob(double logit, double lse) const {
-    return acc(std::exp(acc(logit - lse)));
-  }
+  double softmax_prob(double logit, double lse) const { return acc(std::exp(acc(logit - lse))); }
 
   // Is block c in T_pi? Only asked for rows i in or after block c.
   bool block_selected(int64_t b, int p, int64_t i, int64_t c) const {
@@ -159,7 +157,9 @@ GroupRow evaluate(const Problem& pb, int64_t b, int p, int64_t i) {
   }
 
   // §3: student π = softmax of the proxy scores over T, teacher t = mean of the group's P.
-  for (size_t t = 0; t < n; ++t) logits[t] = proxy_score(pb.in, b, p, i, row.tokens[t], pb.precision);
+  for (size_t t = 0; t < n; ++t) {
+    logits[t] = proxy_score(pb.in, b, p, i, row.tokens[t], pb.precision);
+  }
   row.proxy_lse = pb.log_sum_exp(logits);
   for (size_t t = 0; t < n; ++t) {
     const double log_student = pb.acc(logits[t] - row.proxy_lse);
@@ -185,10 +185,10 @@ class Backward {
  public:
   Backward(const Problem& pb, const std::vector<double>& dout, double kl_grad, Gradients& grads)
       : pb_(pb), s_(pb.s()), dout_(dout), grads_(grads) {
-    // ∂L/∂s_pij = ḡ (π - t) / (B·Hp·S); σp joins it so dq_proxy = kl_factor · Σ_j (π - t) k_proxy_j.
-    // NOTES: the emulated precisions round (π - t) to 16 bits as the matmul operand and apply the
-    // tiny factor ḡσp/(B·Hp·S) to the fp32 sum afterwards, as a kernel must: rounding the scaled
-    // gradient itself would flush it to zero in fp16 at long sequence lengths.
+    // ∂L/∂s_pij = ḡ (π - t) / (B·Hp·S); σp joins it so dq_proxy = kl_factor · Σ_j (π - t)
+    // k_proxy_j. NOTES: the emulated precisions round (π - t) to 16 bits as the matmul operand and
+    // apply the tiny factor ḡσp/(B·Hp·S) to the fp32 sum afterwards, as a kernel must: rounding the
+    // scaled gradient itself would flush it to zero in fp16 at long sequence lengths.
     const double rows = static_cast<double>(s_.batch) * s_.num_proxy_heads * s_.seqlen;
     kl_factor_ = pb.acc(kl_grad * proxy_scale(pb.in) / rows);
     scale_ = pb.acc(softmax_scale(pb.in));
@@ -260,8 +260,8 @@ class Backward {
             teacher = pb_.acc(teacher + P);
           }
           teacher = pb_.acc(teacher / M);
-          const double student = pb_.softmax_prob(
-              proxy_score(pb_.in, b, p, i, j, pb_.precision), stats.proxy_lse);
+          const double student =
+              pb_.softmax_prob(proxy_score(pb_.in, b, p, i, j, pb_.precision), stats.proxy_lse);
           axpy(pb_.acc(student - teacher), pb_.q_proxy(b, i, p), &dk_proxy[(pk * len + jj) * Di],
                Di, pb_.precision);
         }

@@ -75,16 +75,17 @@ Inputs random_inputs(const ProblemShape& shape, uint64_t seed, DType dtype) {
 void validate(const Inputs& in) {
   const ProblemShape& s = in.shape;
   require(s.batch > 0 && s.seqlen > 0, "batch and seqlen must be positive");
-  require(s.num_heads > 0 && s.num_kv_heads > 0 && s.num_proxy_heads > 0 &&
-              s.num_proxy_kv_heads > 0,
-          "all head counts must be positive");
+  require(
+      s.num_heads > 0 && s.num_kv_heads > 0 && s.num_proxy_heads > 0 && s.num_proxy_kv_heads > 0,
+      "all head counts must be positive");
   require(s.head_dim > 0 && s.proxy_head_dim > 0, "head_dim and proxy_head_dim must be positive");
   require(s.num_heads % s.num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
   require(s.num_heads % s.num_proxy_heads == 0, "num_heads must be a multiple of num_proxy_heads");
   require(s.num_proxy_heads % s.num_proxy_kv_heads == 0,
           "num_proxy_heads must be a multiple of num_proxy_kv_heads");
-  require(s.num_proxy_heads % s.num_kv_heads == 0,
-          "num_proxy_heads must be a multiple of num_kv_heads (a proxy group lies in one KV group)");
+  require(
+      s.num_proxy_heads % s.num_kv_heads == 0,
+      "num_proxy_heads must be a multiple of num_kv_heads (a proxy group lies in one KV group)");
   require(std::isfinite(in.softmax_scale) && in.softmax_scale >= 0.0,
           "softmax_scale must be finite and >= 0 (0: default)");
   require(std::isfinite(in.proxy_scale) && in.proxy_scale >= 0.0,
@@ -144,10 +145,10 @@ QueryRows resolve_rows(const ProblemShape& shape, const QueryRows& rows) {
 
 KeyBlocks resolve_blocks(const ProblemShape& shape, const KeyBlocks& blocks) {
   for (const KeyBlock& kb : blocks) {
-    require(kb.batch >= 0 && kb.batch < shape.batch && kb.block >= 0 &&
-                kb.block < shape.num_blocks(),
-            "key block (" + std::to_string(kb.batch) + ", " + std::to_string(kb.block) +
-                ") lies outside the shape");
+    require(
+        kb.batch >= 0 && kb.batch < shape.batch && kb.block >= 0 && kb.block < shape.num_blocks(),
+        "key block (" + std::to_string(kb.batch) + ", " + std::to_string(kb.block) +
+            ") lies outside the shape");
   }
   if (!blocks.empty()) return blocks;
   KeyBlocks all;

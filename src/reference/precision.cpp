@@ -42,8 +42,9 @@ double round_to_format(double x, Format format) {
   if (!std::isfinite(x) || x == 0.0) return x;
 
   if (std::fabs(x) < format.smallest_normal) {
-    // Subnormal range: values are multiples of a fixed quantum. x / quantum is exact (a power-of-two
-    // scaling inside double's range) and nearbyint rounds half to even in the default mode.
+    // Subnormal range: values are multiples of a fixed quantum. x / quantum is exact (a
+    // power-of-two scaling inside double's range) and nearbyint rounds half to even in the default
+    // mode.
     return std::nearbyint(x / format.subnormal_quantum) * format.subnormal_quantum;
   }
 

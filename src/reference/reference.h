@@ -26,8 +26,8 @@ namespace flashmsa::reference {
 
 enum class Precision { kFP64, kFP32, kBF16, kFP16 };
 
-// Round x to the given precision (kFP64: identity; kFP32: float; kBF16/kFP16: round to nearest even,
-// with fp16 subnormals and overflow to ±inf).
+// Round x to the given precision (kFP64: identity; kFP32: float; kBF16/kFP16: round to nearest
+// even, with fp16 subnormals and overflow to ±inf).
 double round_to(double x, Precision precision);
 Precision precision_of(DType dtype);
 
@@ -44,8 +44,8 @@ void axpy(double alpha, const double* x, double* y, int n, Precision precision);
 
 struct Inputs {
   ProblemShape shape;
-  double softmax_scale = 0.0;  // σ; 0 means D^-1/2
-  double proxy_scale = 0.0;    // σp; 0 means Di^-1/2
+  double softmax_scale = 0.0;   // σ; 0 means D^-1/2
+  double proxy_scale = 0.0;     // σp; 0 means Di^-1/2
   std::vector<double> q;        // [b, s, h, d]
   std::vector<double> k;        // [b, s, hkv, d]
   std::vector<double> v;        // [b, s, hkv, d]
@@ -71,7 +71,8 @@ inline int64_t offset_bshd(const ProblemShape& shape, int64_t b, int64_t s, int 
 }
 
 // z_hij = σ⟨q_hi, k_gj⟩ (g = h/G) and s_pij = σp⟨q_proxy_pi, k_proxy_{p/R, j}⟩ in `precision`.
-double score(const Inputs& in, int64_t batch, int head, int64_t row, int64_t key, Precision precision);
+double score(const Inputs& in, int64_t batch, int head, int64_t row, int64_t key,
+             Precision precision);
 double proxy_score(const Inputs& in, int64_t batch, int proxy_head, int64_t row, int64_t key,
                    Precision precision);
 
@@ -128,8 +129,8 @@ struct Gradients {
 // §3-§4. `dout` [b, s, h, d] is the upstream gradient of out, `kl_grad` the upstream gradient ḡ of
 // the KL value. dq / dq_proxy are computed for `rows`, dk / dv / dk_proxy for `blocks`. A key
 // block's gradients sum over every later query row that selected it, so they read block_idx of all
-// rows from the block on (a block_idx that select() filled for a row subset only is rejected there);
-// dq / dq_proxy read only their own rows.
+// rows from the block on (a block_idx that select() filled for a row subset only is rejected
+// there); dq / dq_proxy read only their own rows.
 Gradients backward(const Inputs& in, const std::vector<int32_t>& block_idx,
                    const std::vector<double>& dout, double kl_grad, Mode mode, Precision precision,
                    const QueryRows& rows = {}, const KeyBlocks& blocks = {});

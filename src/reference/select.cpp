@@ -49,9 +49,8 @@ std::vector<int32_t> select(const Inputs& in, Precision precision, const QueryRo
       std::iota(order.begin(), order.end(), 0);
       const size_t kept = std::min<size_t>(top_k, order.size());
       // Descending score, ties to the smaller block index.
-      std::partial_sort(order.begin(), order.begin() + kept, order.end(), [&](int32_t a, int32_t b) {
-        return m[a] != m[b] ? m[a] > m[b] : a < b;
-      });
+      std::partial_sort(order.begin(), order.begin() + kept, order.end(),
+                        [&](int32_t a, int32_t b) { return m[a] != m[b] ? m[a] > m[b] : a < b; });
 
       int32_t* out = &block_idx[((r.batch * s.num_proxy_heads + p) * s.seqlen + r.row) * top_k];
       for (int slot = 0; slot < top_k; ++slot) {

@@ -86,8 +86,10 @@ TEST(ReferenceBackward, KlGradientReachesOnlyTheProxies) {
   EXPECT_EQ(kl_only.dq_proxy, one.dq_proxy);
   EXPECT_EQ(kl_only.dk_proxy, one.dk_proxy);
   ASSERT_GT(max_abs(one.dq_proxy), 0.0);
-  for (size_t e = 0; e < one.dq_proxy.size(); ++e) ASSERT_EQ(two.dq_proxy[e], 2.0 * one.dq_proxy[e]);
-  for (size_t e = 0; e < one.dk_proxy.size(); ++e) ASSERT_EQ(two.dk_proxy[e], 2.0 * one.dk_proxy[e]);
+  for (size_t e = 0; e < one.dq_proxy.size(); ++e)
+    ASSERT_EQ(two.dq_proxy[e], 2.0 * one.dq_proxy[e]);
+  for (size_t e = 0; e < one.dk_proxy.size(); ++e)
+    ASSERT_EQ(two.dk_proxy[e], 2.0 * one.dk_proxy[e]);
 }
 
 // Σ_j dS_hij = 0 (because Δ = Σ_j P dP) and Σ_j (π - t) = 0 make the key gradients sum to zero
@@ -198,14 +200,14 @@ TEST_P(GradientSubsets, MatchFullGradients) {
   EXPECT_EQ(rows_only.dk_proxy, full.dk_proxy);
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Reference, GradientSubsets,
-    ::testing::Combine(::testing::Values(Mode::kSparse, Mode::kWarmup),
-                       ::testing::Values(Precision::kFP64, Precision::kBF16)),
-    [](const ::testing::TestParamInfo<std::tuple<Mode, Precision>>& info) {
-      return std::string(std::get<0>(info.param) == Mode::kSparse ? "sparse" : "warmup") +
-             (std::get<1>(info.param) == Precision::kFP64 ? "_fp64" : "_bf16");
-    });
+INSTANTIATE_TEST_SUITE_P(Reference, GradientSubsets,
+                         ::testing::Combine(::testing::Values(Mode::kSparse, Mode::kWarmup),
+                                            ::testing::Values(Precision::kFP64, Precision::kBF16)),
+                         [](const ::testing::TestParamInfo<std::tuple<Mode, Precision>>& info) {
+                           return std::string(std::get<0>(info.param) == Mode::kSparse ? "sparse"
+                                                                                       : "warmup") +
+                                  (std::get<1>(info.param) == Precision::kFP64 ? "_fp64" : "_bf16");
+                         });
 
 // A key block needs the selection of every row after it: a block_idx that select() filled for a
 // few rows is rejected for key blocks instead of silently dropping the other rows.
@@ -228,12 +230,12 @@ TEST(ReferenceBackward, RejectsBadArguments) {
   const Inputs in = random_inputs(s, 65, DType::kBF16);
   const std::vector<int32_t> block_idx = select(in, Precision::kFP64);
   const std::vector<double> dout = random_inputs(s, 66, DType::kBF16).q;
-  EXPECT_THROW(backward(in, block_idx, std::vector<double>(5), 1.0, Mode::kSparse,
-                        Precision::kFP64),
-               std::invalid_argument);
-  EXPECT_THROW(backward(in, block_idx, dout, 1.0, Mode::kSparse, Precision::kFP64, {},
-                        {{0, 2}}),  // NB = 2
-               std::invalid_argument);
+  EXPECT_THROW(
+      backward(in, block_idx, std::vector<double>(5), 1.0, Mode::kSparse, Precision::kFP64),
+      std::invalid_argument);
+  EXPECT_THROW(
+      backward(in, block_idx, dout, 1.0, Mode::kSparse, Precision::kFP64, {}, {{0, 2}}),  // NB = 2
+      std::invalid_argument);
   EXPECT_THROW(backward(in, {}, dout, 1.0, Mode::kSparse, Precision::kFP64), std::invalid_argument);
   EXPECT_NO_THROW(backward(in, {}, dout, 1.0, Mode::kWarmup, Precision::kFP64));
 }

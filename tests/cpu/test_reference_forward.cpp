@@ -113,7 +113,8 @@ TEST(ReferenceForward, WarmupIgnoresBlockIdx) {
   const std::vector<int32_t> only_block_zero(selected.size(), 0);
   const ForwardOutputs empty = forward(in, {}, Mode::kWarmup, Precision::kFP64);
   const ForwardOutputs with_selection = forward(in, selected, Mode::kWarmup, Precision::kFP64);
-  const ForwardOutputs with_block_zero = forward(in, only_block_zero, Mode::kWarmup, Precision::kFP64);
+  const ForwardOutputs with_block_zero =
+      forward(in, only_block_zero, Mode::kWarmup, Precision::kFP64);
   EXPECT_EQ(empty.out, with_selection.out);
   EXPECT_EQ(empty.out, with_block_zero.out);
   EXPECT_EQ(empty.kl_rows, with_block_zero.kl_rows);
@@ -142,7 +143,8 @@ TEST_P(KlOfAPerfectProxy, IsZero) {
   EXPECT_GT(forward(in, block_idx, GetParam(), Precision::kFP64).kl, 1e-8);
 }
 
-INSTANTIATE_TEST_SUITE_P(Reference, KlOfAPerfectProxy, ::testing::Values(Mode::kSparse, Mode::kWarmup),
+INSTANTIATE_TEST_SUITE_P(Reference, KlOfAPerfectProxy,
+                         ::testing::Values(Mode::kSparse, Mode::kWarmup),
                          [](const ::testing::TestParamInfo<Mode>& info) {
                            return info.param == Mode::kSparse ? "sparse" : "warmup";
                          });
@@ -179,8 +181,8 @@ TEST(ReferenceForward, KlRowMatchesTheDefinition) {
       for (size_t t = 0; t < tokens.size(); ++t) {
         for (int m = 0; m < M; ++m) {
           const int h = p * M + m;
-          teacher[t] += std::exp(direct_score(in, 0, h, i, tokens[t]) -
-                                 f.lse[h * s.seqlen + i]) / M;
+          teacher[t] +=
+              std::exp(direct_score(in, 0, h, i, tokens[t]) - f.lse[h * s.seqlen + i]) / M;
         }
         for (int d = 0; d < di; ++d) {
           proxy[t] += in.q_proxy[(i * s.num_proxy_heads + p) * di + d] *
@@ -227,7 +229,8 @@ TEST(ReferenceForward, SparseRowsIgnoreUnselectedBlocks) {
   EXPECT_NE(after.out, before.out);  // rows that did select the block moved
 }
 
-// T is a set: a repeated block counts once, -1 slots add nothing, and blocks after c(i) add nothing.
+// T is a set: a repeated block counts once, -1 slots add nothing, and blocks after c(i) add
+// nothing.
 TEST(ReferenceForward, BlockIdxHasSetSemantics) {
   const ProblemShape s = make_shape(1, 300, 4, 2, 2, 1, 3);
   const Inputs in = random_inputs(s, 38, DType::kBF16);
@@ -297,7 +300,8 @@ TEST(ReferenceForward, RowSubsetMatchesFullRowsAndLeavesTheRestNaN) {
         const bool chosen = std::any_of(rows.begin(), rows.end(), [&](const QueryRow& r) {
           return r.batch == b && r.row == i;
         });
-        auto check = [&](const std::vector<double>& sub, const std::vector<double>& all, int64_t e) {
+        auto check = [&](const std::vector<double>& sub, const std::vector<double>& all,
+                         int64_t e) {
           if (chosen) {
             ASSERT_EQ(sub[e], all[e]);
           } else {

@@ -1,10 +1,9 @@
 // Precision emulation of the reference: bf16 / fp16 / fp32 rounding of known values, agreement with
 // CUDA's host-side conversions, fp32-accumulating inner products, random inputs, and the size of
 // the error that the emulated forward and backward make against fp64.
-#include <gtest/gtest.h>
-
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
@@ -66,7 +65,7 @@ TEST(ReferencePrecision, Bf16KeepsRepresentableValuesAndSpecials) {
 TEST(ReferencePrecision, Bf16OverflowsToInfinity) {
   const double max_bf16 = 0x1.fep127;
   EXPECT_EQ(round_to(0x1.fdp127 + 0x1p110, Precision::kBF16), max_bf16);  // below the midpoint
-  EXPECT_EQ(round_to(0x1.ffp127, Precision::kBF16), INFINITY);            // midpoint: to even = 2^128
+  EXPECT_EQ(round_to(0x1.ffp127, Precision::kBF16), INFINITY);  // midpoint: to even = 2^128
   EXPECT_EQ(round_to(1e39, Precision::kBF16), INFINITY);
   EXPECT_EQ(round_to(-1e39, Precision::kBF16), -INFINITY);
 }
@@ -85,10 +84,10 @@ TEST(ReferencePrecision, Fp16Subnormals) {
   const Precision fp16 = Precision::kFP16;
   const double quantum = 0x1p-24;  // the smallest fp16 subnormal
   EXPECT_EQ(round_to(quantum, fp16), quantum);
-  EXPECT_EQ(round_to(0.5 * quantum, fp16), 0.0);              // halfway to 0 (even)
+  EXPECT_EQ(round_to(0.5 * quantum, fp16), 0.0);  // halfway to 0 (even)
   EXPECT_EQ(round_to(0.75 * quantum, fp16), quantum);
-  EXPECT_EQ(round_to(1.5 * quantum, fp16), 2.0 * quantum);    // halfway between 1 and 2 quanta
-  EXPECT_EQ(round_to(2.5 * quantum, fp16), 2.0 * quantum);    // halfway between 2 and 3 quanta
+  EXPECT_EQ(round_to(1.5 * quantum, fp16), 2.0 * quantum);  // halfway between 1 and 2 quanta
+  EXPECT_EQ(round_to(2.5 * quantum, fp16), 2.0 * quantum);  // halfway between 2 and 3 quanta
   EXPECT_EQ(round_to(-0.75 * quantum, fp16), -quantum);
   EXPECT_EQ(round_to(0x1p-15 + 0.4 * quantum, fp16), 0x1p-15);  // inside the subnormal range
   EXPECT_EQ(round_to(0x1p-14 - 0.5 * quantum, fp16), 0x1p-14);  // rounds up to the smallest normal
@@ -199,9 +198,8 @@ TEST_P(EmulatedForwardError, BackwardMatchesTheDtype) {
   const Gradients exact = backward(in, block_idx, dout, 1.0, GetParam(), Precision::kFP64);
   const Gradients fp32 = backward(in, block_idx, dout, 1.0, GetParam(), Precision::kFP32);
   const Gradients bf16 = backward(in, block_idx, dout, 1.0, GetParam(), Precision::kBF16);
-  const std::vector<double> Gradients::*tensors[] = {&Gradients::dq, &Gradients::dk,
-                                                     &Gradients::dv, &Gradients::dq_proxy,
-                                                     &Gradients::dk_proxy};
+  const std::vector<double> Gradients::*tensors[] = {&Gradients::dq, &Gradients::dk, &Gradients::dv,
+                                                     &Gradients::dq_proxy, &Gradients::dk_proxy};
   for (auto tensor : tensors) {
     EXPECT_LT(relative_error(fp32.*tensor, exact.*tensor), 1e-5);
     const double error = relative_error(bf16.*tensor, exact.*tensor);

@@ -52,7 +52,8 @@ std::vector<double> brute_force_block_scores(const Inputs& in, int64_t b, int p,
 
 TEST(ReferenceSelect, LocalBlockComesFirst) {
   const ProblemShape s = make_shape(2, 500, 2, 1, 3);
-  const std::vector<int32_t> block_idx = select(random_inputs(s, 1, DType::kBF16), Precision::kFP64);
+  const std::vector<int32_t> block_idx =
+      select(random_inputs(s, 1, DType::kBF16), Precision::kFP64);
   for (int64_t b = 0; b < s.batch; ++b) {
     for (int p = 0; p < s.num_proxy_heads; ++p) {
       for (int64_t i = 0; i < s.seqlen; ++i) {
