@@ -36,9 +36,10 @@ def main():
             errors.append("rows[%d]: ms must be a positive number" % index)
     for error in errors:
         print("check_results: " + error, file=sys.stderr)
-    if not errors:
-        print("check_results: h200.json ok (commit %s, %d rows)" % (commit[:10], len(result["rows"])))
-    return 1 if errors else 0
+    if errors:
+        return 1
+    print("check_results: h200.json ok (commit %s, %d rows)" % (commit[:10], len(result["rows"])))
+    return subprocess.run([sys.executable, os.path.join(ROOT, "bench", "report.py"), "--check"]).returncode
 
 
 if __name__ == "__main__":
