@@ -1,0 +1,152 @@
+// CUDA implementations of the flashmsa ops: the C++ API of include/flashmsa/api.h on the current
+// torch CUDA stream. Workspaces come from torch's caching allocator, sized by the API's queries;
+// nothing here synchronises the host, so every op is CUDA-graph capturable.
+//
+// Comes after library.cpp (schemas) and tensor_args.cpp (checks); cpu_ops.cpp is its CPU twin.
+// Per op: check the caller's input (Check::kCallerInput), size and allocate the device buffers,
+// then call the API, which validates everything once more and launches.
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include "tensor_args.h"
+
+namespace flashmsa::torch_binding {
+
+namespace {
+
+at::Tensor device_buffer(size_t bytes, const at::Tensor& like) {
+  return at::empty({static_cast<int64_t>(bytes)}, like.options().dtype(at::kByte));
+}
+
+void* pointer_or_null(const at::Tensor& buffer) {
+  return buffer.numel() > 0 ? buffer.data_ptr() : nullptr;
+}
+
+cudaStream_t current_stream(const at::Tensor& like) {
+  return c10::cuda::getCurrentCUDAStream(like.device().index()).stream();
+}
+
+// The reverse index of block_idx (sparse mode). The backward builds its own from block_idx;
+// NOTES: the forward's schedule is rebuilt here rather than saved from the forward, so that no
+// opaque byte buffer crosses the op boundary (fake tensors, opcheck and torch.compile see plain
+// outputs). It costs one schedule launch per backward (docs/design.md §3: < 0.1 ms at 128K).
+at::Tensor build_schedule(const ProblemShape& shape, const int32_t* block_idx, const at::Tensor& like,
+                          cudaStream_t stream, Op op) {
+  at::Tensor schedule = device_buffer(schedule_workspace_size(shape), like);
+  ScheduleParams params;
+  params.shape = shape;
+  params.block_idx = block_idx;
+  params.workspace = pointer_or_null(schedule);
+  check_status(flashmsa::schedule(params, stream), op, Check::kFull);
+  return schedule;
+}
+
+at::Tensor select_cuda(const at::Tensor& q_proxy, const at::Tensor& k_proxy, int64_t top_k,
+                       double proxy_scale) {
+  SelectParams params;
+  params.shape = select_shape(q_proxy, k_proxy, top_k);
+  params.dtype = dtype_of(q_proxy);
+  params.proxy_scale = static_cast<float>(proxy_scale);
+  params.q_proxy = tensor_ref(q_proxy);
+  params.k_proxy = tensor_ref(k_proxy);
+  const ProblemShape& shape = params.shape;
+  const c10::cuda::CUDAGuard guard(q_proxy.device());
+  at::Tensor block_idx = at::empty({shape.batch, shape.num_proxy_heads, shape.seqlen, shape.top_k},
+                                   q_proxy.options().dtype(at::kInt));
+  params.block_idx = block_idx.data_ptr<int32_t>();
+  check_status(flashmsa::select(params, current_stream(q_proxy)), Op::kSelect, Check::kFull);
+  return block_idx;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_cuda(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& q_proxy,
+    const at::Tensor& k_proxy, const std::optional<at::Tensor>& block_idx, int64_t top_k,
+    c10::string_view mode, double softmax_scale, double proxy_scale, bool deterministic,
+    const std::optional<at::Tensor>& kl_value) {
+  (void)deterministic;  // for the backward; the forward is deterministic
+  const Op op = Op::kForward;
+  ForwardParams params = forward_inputs(q, k, v, q_proxy, k_proxy, block_idx, top_k,
+                                        std::string(mode), softmax_scale, proxy_scale, op);
+  if (kl_value.has_value()) check_scalar(*kl_value, "kl_value", q, op);
+  const ProblemShape& shape = params.shape;
+  const c10::cuda::CUDAGuard guard(q.device());
+  const cudaStream_t stream = current_stream(q);
+  const at::TensorOptions fp32 = q.options().dtype(at::kFloat);
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  at::Tensor lse = at::empty({shape.batch, shape.num_heads, shape.seqlen}, fp32);
+  at::Tensor proxy_lse = at::empty({shape.batch, shape.num_proxy_heads, shape.seqlen}, fp32);
+  params.out = tensor_ref(out);
+  params.lse = lse.data_ptr<float>();
+  params.proxy_lse = proxy_lse.data_ptr<float>();
+  check_status(validate(params), op, Check::kCallerInput);
+
+  at::Tensor schedule;
+  if (params.mode == Mode::kSparse) {
+    schedule = build_schedule(shape, params.block_idx, q, stream, op);
+    params.schedule = schedule.data_ptr();
+  }
+  const at::Tensor workspace = device_buffer(forward_workspace_size(shape, params.mode), q);
+  params.workspace = pointer_or_null(workspace);
+  check_status(flashmsa::forward(params, stream), op, Check::kFull);
+  return {out, lse, proxy_lse, at::zeros({}, fp32)};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_cuda(
+    const at::Tensor& dout, const std::optional<at::Tensor>& kl_grad, const at::Tensor& q,
+    const at::Tensor& k, const at::Tensor& v, const at::Tensor& q_proxy, const at::Tensor& k_proxy,
+    const std::optional<at::Tensor>& block_idx, const at::Tensor& out, const at::Tensor& lse,
+    const at::Tensor& proxy_lse, int64_t top_k, c10::string_view mode, double softmax_scale,
+    double proxy_scale, bool deterministic, const std::optional<at::Tensor>& kl_value) {
+  const Op op = Op::kBackward;
+  BackwardParams params;
+  params.fwd = forward_inputs(q, k, v, q_proxy, k_proxy, block_idx, top_k, std::string(mode),
+                              softmax_scale, proxy_scale, op);
+  const ProblemShape& shape = params.fwd.shape;
+  check_saved_outputs(out, lse, proxy_lse, q, shape);
+  const at::Tensor dout_view = kernel_layout(dout, "dout", q, op);
+  if (kl_grad.has_value()) check_scalar(*kl_grad, "kl_grad", q, op);
+  if (kl_value.has_value()) check_scalar(*kl_value, "kl_value", q, op);
+
+  const c10::cuda::CUDAGuard guard(q.device());
+  const cudaStream_t stream = current_stream(q);
+  at::Tensor dq = at::empty_like(q);
+  at::Tensor dk = at::empty_like(k);
+  at::Tensor dv = at::empty_like(v);
+  at::Tensor dq_proxy = at::empty_like(q_proxy);
+  at::Tensor dk_proxy = at::empty_like(k_proxy);
+  params.fwd.out = tensor_ref(out);
+  params.fwd.lse = lse.data_ptr<float>();
+  params.fwd.proxy_lse = proxy_lse.data_ptr<float>();
+  params.fwd.kl = kl_value.has_value() ? kl_value->data_ptr<float>() : nullptr;
+  params.dout = tensor_ref(dout_view);
+  params.kl_grad = kl_grad.has_value() ? kl_grad->data_ptr<float>() : nullptr;
+  params.deterministic = deterministic;
+  params.dq = tensor_ref(dq);
+  params.dk = tensor_ref(dk);
+  params.dv = tensor_ref(dv);
+  params.dq_proxy = tensor_ref(dq_proxy);
+  params.dk_proxy = tensor_ref(dk_proxy);
+  check_status(validate(params), op, Check::kCallerInput);
+
+  at::Tensor schedule;
+  if (params.fwd.mode == Mode::kSparse) {
+    schedule = build_schedule(shape, params.fwd.block_idx, q, stream, op);
+    params.fwd.schedule = schedule.data_ptr();
+  }
+  const at::Tensor workspace =
+      device_buffer(backward_workspace_size(shape, params.fwd.mode, deterministic), q);
+  params.workspace = pointer_or_null(workspace);
+  check_status(flashmsa::backward(params, stream), op, Check::kFull);
+  return {dq, dk, dv, dq_proxy, dk_proxy};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(flashmsa, CUDA, m) {
+  m.impl("select", &select_cuda);
+  m.impl("forward", &forward_cuda);
+  m.impl("backward", &backward_cuda);
+}
+
+}  // namespace flashmsa::torch_binding

@@ -1,0 +1,125 @@
+"""flashmsa.MSAAttention: an attention layer with MSA's index branch, ready for training.
+
+Projections: q/k/v/o of the main GQA attention and the two proxy (index) projections. By default
+the proxy projections read DETACHED hidden states (the paper's stopgrad(X): the KL trains the
+proxies only and never reaches the backbone); ``detach_proxy_input=False`` lets it flow.
+"""
+
+from typing import Optional, Tuple
+
+import torch
+from torch import nn
+
+from . import eager
+from .functional import MODES, msa_attention, top_k_blocks
+
+
+def apply_rotary(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
+    """Rotary embedding on interleaved pairs (x[..., 2i], x[..., 2i+1]), as Flash-MSA's test model.
+
+    x: [B, S, heads, dim] with an even dim; positions: [S] token positions.
+    """
+    dim = x.shape[-1]
+    inv_freq = base ** (-torch.arange(0, dim, 2, device=x.device, dtype=torch.float32) / dim)
+    angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]  # [S, dim/2]
+    cos = angles.cos()[None, :, None, :]
+    sin = angles.sin()[None, :, None, :]
+    pairs = x.float().unflatten(-1, (dim // 2, 2))
+    even, odd = pairs[..., 0], pairs[..., 1]
+    rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
+    return rotated.flatten(-2).to(x.dtype)
+
+
+class MSAAttention(nn.Module):
+    """Causal GQA attention with MiniMax Sparse Attention's index branch.
+
+    forward(hidden_states [B, S, hidden_size], positions=None) -> (out [B, S, hidden_size], kl).
+    ``kl`` is msa_attention's 0-valued loss term: add ``lam * kl`` to the loss; after backward the
+    true KL value of the call is in ``self.kl_value`` (fp32 0-d tensor on the layer's device).
+
+    Args:
+        hidden_size: model width.
+        num_heads, num_kv_heads: H and Hkv of the main attention.
+        num_proxy_heads, num_proxy_kv_heads: Hp and Hpk of the index branch (paper: Hp = Hkv,
+            Hpk = 1).
+        head_dim, proxy_head_dim: D and Di (the kernels take 128; the CPU reference any even dim).
+        top_k: tokens kept per query and proxy head, a multiple of 128.
+        mode: "warmup" (dense attention, KL over all causal tokens) or "sparse"; switch with
+            ``set_mode``.
+        detach_proxy_input: proxies read hidden_states.detach() (default True).
+        rotary_base: base of the rotary embedding applied to q, k, q_proxy and k_proxy; None: none.
+        backend: "flashmsa" (the ops) or "eager" (flashmsa.eager, for comparisons).
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, num_proxy_heads: int,
+                 num_proxy_kv_heads: int = 1, *, head_dim: int = 128,
+                 proxy_head_dim: Optional[int] = None, top_k: int = 2048, mode: str = "sparse",
+                 detach_proxy_input: bool = True, rotary_base: Optional[float] = 10000.0,
+                 softmax_scale: Optional[float] = None, proxy_scale: Optional[float] = None,
+                 deterministic: bool = False, bias: bool = False, backend: str = "flashmsa",
+                 device=None, dtype=None):
+        super().__init__()
+        top_k_blocks(top_k, caller="MSAAttention")
+        if backend not in ("flashmsa", "eager"):
+            raise ValueError(f"MSAAttention: backend: must be 'flashmsa' or 'eager', got {backend!r}")
+        proxy_head_dim = proxy_head_dim or head_dim
+        factory = {"device": device, "dtype": dtype}
+        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+        self.num_proxy_heads, self.num_proxy_kv_heads = num_proxy_heads, num_proxy_kv_heads
+        self.head_dim, self.proxy_head_dim = head_dim, proxy_head_dim
+        self.top_k = top_k
+        self.detach_proxy_input = detach_proxy_input
+        self.rotary_base = rotary_base
+        self.softmax_scale, self.proxy_scale = softmax_scale, proxy_scale
+        self.deterministic = deterministic
+        self.backend = backend
+        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=bias, **factory)
+        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias, **factory)
+        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias, **factory)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias, **factory)
+        self.q_proxy_proj = nn.Linear(hidden_size, num_proxy_heads * proxy_head_dim, bias=bias, **factory)
+        self.k_proxy_proj = nn.Linear(hidden_size, num_proxy_kv_heads * proxy_head_dim, bias=bias,
+                                      **factory)
+        self.mode = "sparse"
+        self.set_mode(mode)
+        self._kl_value: Optional[torch.Tensor] = None
+
+    def set_mode(self, mode: str) -> None:
+        """"warmup" -> "sparse" when the proxies have learnt enough (paper: after the warmup)."""
+        if mode not in MODES:
+            raise ValueError(f"MSAAttention: mode: must be 'sparse' or 'warmup', got {mode!r}")
+        self.mode = mode
+
+    @property
+    def kl_value(self) -> Optional[torch.Tensor]:
+        """The true KL value of the last forward, written by its backward (fp32 0-d tensor)."""
+        return self._kl_value
+
+    def _heads(self, x: torch.Tensor, heads: int, dim: int) -> torch.Tensor:
+        return x.unflatten(-1, (heads, dim))  # [B, S, heads*dim] -> [B, S, heads, dim]
+
+    def forward(self, hidden_states: torch.Tensor, positions: Optional[torch.Tensor] = None
+                ) -> Tuple[torch.Tensor, torch.Tensor]:
+        batch, seqlen, _ = hidden_states.shape
+        proxy_input = hidden_states.detach() if self.detach_proxy_input else hidden_states
+        q = self._heads(self.q_proj(hidden_states), self.num_heads, self.head_dim)
+        k = self._heads(self.k_proj(hidden_states), self.num_kv_heads, self.head_dim)
+        v = self._heads(self.v_proj(hidden_states), self.num_kv_heads, self.head_dim)
+        q_proxy = self._heads(self.q_proxy_proj(proxy_input), self.num_proxy_heads, self.proxy_head_dim)
+        k_proxy = self._heads(self.k_proxy_proj(proxy_input), self.num_proxy_kv_heads,
+                              self.proxy_head_dim)
+        if self.rotary_base is not None:
+            if positions is None:
+                positions = torch.arange(seqlen, device=hidden_states.device)
+            q, k, q_proxy, k_proxy = (apply_rotary(x, positions, self.rotary_base)
+                                      for x in (q, k, q_proxy, k_proxy))
+        if self._kl_value is None or self._kl_value.device != hidden_states.device:
+            self._kl_value = torch.zeros((), dtype=torch.float32, device=hidden_states.device)
+        scales = {"softmax_scale": self.softmax_scale, "proxy_scale": self.proxy_scale}
+        if self.backend == "eager":
+            out, kl = eager.msa_attention(q, k, v, q_proxy, k_proxy, self.top_k, mode=self.mode, **scales)
+            self._kl_value.copy_(kl.detach())
+        else:
+            out, kl = msa_attention(q, k, v, q_proxy, k_proxy, self.top_k, mode=self.mode,
+                                    deterministic=self.deterministic, kl_value=self._kl_value, **scales)
+        return self.o_proj(out.reshape(batch, seqlen, -1)), kl
