@@ -30,11 +30,8 @@ at::Tensor from_doubles(const std::vector<double>& values, at::IntArrayRef sizes
   return wide.to(dtype);
 }
 
-// A gradient with the size (and, for dense inputs, the strides) of its input.
-at::Tensor gradient_like(const at::Tensor& input, const std::vector<double>& values) {
-  at::Tensor gradient = at::empty_like(input);
-  gradient.copy_(from_doubles(values, input.sizes(), input.scalar_type()));
-  return gradient;
+void copy_doubles(const std::vector<double>& values, at::Tensor& destination) {
+  destination.copy_(from_doubles(values, destination.sizes(), destination.scalar_type()));
 }
 
 std::vector<int32_t> block_idx_values(const ForwardParams& params) {
@@ -105,12 +102,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_cpu(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& q_proxy,
     const at::Tensor& k_proxy, const std::optional<at::Tensor>& block_idx, int64_t top_k,
     c10::string_view mode, double softmax_scale, double proxy_scale, bool deterministic,
-    const std::optional<at::Tensor>& kl_value) {
+    const std::optional<at::Tensor>& kl_sink) {
   (void)deterministic;  // for the backward; the forward is deterministic
   const Op op = Op::kForward;
   ForwardParams params = forward_inputs(q, k, v, q_proxy, k_proxy, block_idx, top_k,
                                         std::string(mode), softmax_scale, proxy_scale, op);
-  if (kl_value.has_value()) check_scalar(*kl_value, "kl_value", q, op);
+  if (kl_sink.has_value()) check_scalar(*kl_sink, "kl_sink", q, op);
   const ProblemShape& shape = params.shape;
   at::Tensor lse = at::empty({shape.batch, shape.num_heads, shape.seqlen}, q.options().dtype(at::kFloat));
   at::Tensor proxy_lse =
@@ -125,18 +122,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_cpu(
   const reference::ForwardOutputs result = run_reference(op, [&] {
     return reference::forward(in, block_idx_values(params), params.mode, kPrecision);
   });
-  out.copy_(from_doubles(result.out, out.sizes(), out.scalar_type()));
-  lse.copy_(from_doubles(result.lse, lse.sizes(), at::kFloat));
-  proxy_lse.copy_(from_doubles(result.proxy_lse, proxy_lse.sizes(), at::kFloat));
+  copy_doubles(result.out, out);
+  copy_doubles(result.lse, lse);
+  copy_doubles(result.proxy_lse, proxy_lse);
   return {out, lse, proxy_lse, at::zeros({}, q.options().dtype(at::kFloat))};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_cpu(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_cpu(
     const at::Tensor& dout, const std::optional<at::Tensor>& kl_grad, const at::Tensor& q,
     const at::Tensor& k, const at::Tensor& v, const at::Tensor& q_proxy, const at::Tensor& k_proxy,
     const std::optional<at::Tensor>& block_idx, const at::Tensor& out, const at::Tensor& lse,
     const at::Tensor& proxy_lse, int64_t top_k, c10::string_view mode, double softmax_scale,
-    double proxy_scale, bool deterministic, const std::optional<at::Tensor>& kl_value) {
+    double proxy_scale, bool deterministic) {
   (void)deterministic;  // the reference is deterministic
   const Op op = Op::kBackward;
   ForwardParams params = forward_inputs(q, k, v, q_proxy, k_proxy, block_idx, top_k,
@@ -144,28 +141,41 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_
   check_saved_outputs(out, lse, proxy_lse, q, params.shape);
   const at::Tensor dout_view = kernel_layout(dout, "dout", q, op);
   if (kl_grad.has_value()) check_scalar(*kl_grad, "kl_grad", q, op);
-  if (kl_value.has_value()) check_scalar(*kl_value, "kl_value", q, op);
+  // Gradients with the size (and, for dense inputs, the strides) of their input.
+  at::Tensor dq = at::empty_like(q);
+  at::Tensor dk = at::empty_like(k);
+  at::Tensor dv = at::empty_like(v);
+  at::Tensor dq_proxy = at::empty_like(q_proxy);
+  at::Tensor dk_proxy = at::empty_like(k_proxy);
   params.out = tensor_ref(out);
   params.lse = lse.data_ptr<float>();
   params.proxy_lse = proxy_lse.data_ptr<float>();
   BackwardParams backward_params;
   backward_params.fwd = params;
+  backward_params.dout = tensor_ref(dout_view);
+  backward_params.kl_grad = kl_grad.has_value() ? kl_grad->data_ptr<float>() : nullptr;
+  backward_params.dq = tensor_ref(dq);
+  backward_params.dk = tensor_ref(dk);
+  backward_params.dv = tensor_ref(dv);
+  backward_params.dq_proxy = tensor_ref(dq_proxy);
+  backward_params.dk_proxy = tensor_ref(dk_proxy);
   check_status(validate(backward_params), op, Check::kCallerInput);
 
   const reference::Inputs in = reference_inputs(params, q, k, v, q_proxy, k_proxy);
   const std::vector<int32_t> blocks = block_idx_values(params);
   const double kl_gradient = kl_grad.has_value() ? kl_grad->item<double>() : 0.0;
   const reference::Gradients gradients = run_reference(op, [&] {
-    return reference::backward(in, blocks, to_doubles(dout_view), kl_gradient, params.mode, kPrecision);
+    return reference::backward(in, blocks, to_doubles(dout_view), kl_gradient, params.mode,
+                               kPrecision);
   });
-  if (kl_value.has_value()) {
-    const double kl = run_reference(
-        op, [&] { return reference::forward(in, blocks, params.mode, kPrecision).kl; });
-    kl_value->fill_(kl);
-  }
-  return {gradient_like(q, gradients.dq), gradient_like(k, gradients.dk),
-          gradient_like(v, gradients.dv), gradient_like(q_proxy, gradients.dq_proxy),
-          gradient_like(k_proxy, gradients.dk_proxy)};
+  const double kl = run_reference(
+      op, [&] { return reference::forward(in, blocks, params.mode, kPrecision).kl; });
+  copy_doubles(gradients.dq, dq);
+  copy_doubles(gradients.dk, dk);
+  copy_doubles(gradients.dv, dv);
+  copy_doubles(gradients.dq_proxy, dq_proxy);
+  copy_doubles(gradients.dk_proxy, dk_proxy);
+  return {dq, dk, dv, dq_proxy, dk_proxy, at::full({}, kl, q.options().dtype(at::kFloat))};
 }
 
 }  // namespace

@@ -63,12 +63,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_cuda(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& q_proxy,
     const at::Tensor& k_proxy, const std::optional<at::Tensor>& block_idx, int64_t top_k,
     c10::string_view mode, double softmax_scale, double proxy_scale, bool deterministic,
-    const std::optional<at::Tensor>& kl_value) {
+    const std::optional<at::Tensor>& kl_sink) {
   (void)deterministic;  // for the backward; the forward is deterministic
   const Op op = Op::kForward;
   ForwardParams params = forward_inputs(q, k, v, q_proxy, k_proxy, block_idx, top_k,
                                         std::string(mode), softmax_scale, proxy_scale, op);
-  if (kl_value.has_value()) check_scalar(*kl_value, "kl_value", q, op);
+  if (kl_sink.has_value()) check_scalar(*kl_sink, "kl_sink", q, op);
   const ProblemShape& shape = params.shape;
   const c10::cuda::CUDAGuard guard(q.device());
   const cudaStream_t stream = current_stream(q);
@@ -92,12 +92,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_cuda(
   return {out, lse, proxy_lse, at::zeros({}, fp32)};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_cuda(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_cuda(
     const at::Tensor& dout, const std::optional<at::Tensor>& kl_grad, const at::Tensor& q,
     const at::Tensor& k, const at::Tensor& v, const at::Tensor& q_proxy, const at::Tensor& k_proxy,
     const std::optional<at::Tensor>& block_idx, const at::Tensor& out, const at::Tensor& lse,
     const at::Tensor& proxy_lse, int64_t top_k, c10::string_view mode, double softmax_scale,
-    double proxy_scale, bool deterministic, const std::optional<at::Tensor>& kl_value) {
+    double proxy_scale, bool deterministic) {
   const Op op = Op::kBackward;
   BackwardParams params;
   params.fwd = forward_inputs(q, k, v, q_proxy, k_proxy, block_idx, top_k, std::string(mode),
@@ -106,7 +106,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_
   check_saved_outputs(out, lse, proxy_lse, q, shape);
   const at::Tensor dout_view = kernel_layout(dout, "dout", q, op);
   if (kl_grad.has_value()) check_scalar(*kl_grad, "kl_grad", q, op);
-  if (kl_value.has_value()) check_scalar(*kl_value, "kl_value", q, op);
 
   const c10::cuda::CUDAGuard guard(q.device());
   const cudaStream_t stream = current_stream(q);
@@ -118,7 +117,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_
   params.fwd.out = tensor_ref(out);
   params.fwd.lse = lse.data_ptr<float>();
   params.fwd.proxy_lse = proxy_lse.data_ptr<float>();
-  params.fwd.kl = kl_value.has_value() ? kl_value->data_ptr<float>() : nullptr;
+  at::Tensor kl_value = at::zeros({}, q.options().dtype(at::kFloat));
+  params.fwd.kl = kl_value.data_ptr<float>();
   params.dout = tensor_ref(dout_view);
   params.kl_grad = kl_grad.has_value() ? kl_grad->data_ptr<float>() : nullptr;
   params.deterministic = deterministic;
@@ -138,7 +138,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_
       device_buffer(backward_workspace_size(shape, params.fwd.mode, deterministic), q);
   params.workspace = pointer_or_null(workspace);
   check_status(flashmsa::backward(params, stream), op, Check::kFull);
-  return {dq, dk, dv, dq_proxy, dk_proxy};
+  return {dq, dk, dv, dq_proxy, dk_proxy, kl_value};
 }
 
 }  // namespace

@@ -16,16 +16,16 @@ TORCH_LIBRARY(flashmsa, m) {
       {at::Tag::pt2_compliant_tag});
   m.def(
       "forward(Tensor q, Tensor k, Tensor v, Tensor q_proxy, Tensor k_proxy, Tensor? block_idx, "
-      "int top_k, str mode=\"sparse\", float softmax_scale=0., float proxy_scale=0., "
-      "bool deterministic=False, Tensor? kl_value=None) "
+      "int top_k, str attention_mode=\"sparse\", float softmax_scale=0., float proxy_scale=0., "
+      "bool deterministic=False, Tensor? kl_sink=None) "
       "-> (Tensor out, Tensor lse, Tensor proxy_lse, Tensor kl)",
       {at::Tag::pt2_compliant_tag});
   m.def(
       "backward(Tensor dout, Tensor? kl_grad, Tensor q, Tensor k, Tensor v, Tensor q_proxy, "
       "Tensor k_proxy, Tensor? block_idx, Tensor out, Tensor lse, Tensor proxy_lse, int top_k, "
-      "str mode=\"sparse\", float softmax_scale=0., float proxy_scale=0., "
-      "bool deterministic=False, Tensor(a!)? kl_value=None) "
-      "-> (Tensor dq, Tensor dk, Tensor dv, Tensor dq_proxy, Tensor dk_proxy)",
+      "str attention_mode=\"sparse\", float softmax_scale=0., float proxy_scale=0., "
+      "bool deterministic=False) "
+      "-> (Tensor dq, Tensor dk, Tensor dv, Tensor dq_proxy, Tensor dk_proxy, Tensor kl_value)",
       {at::Tag::pt2_compliant_tag});
 }
 
@@ -51,28 +51,29 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& q_proxy,
     const at::Tensor& k_proxy, const std::optional<at::Tensor>& block_idx, int64_t top_k,
     const std::string& mode, double softmax_scale, double proxy_scale, bool deterministic,
-    const std::optional<at::Tensor>& kl_value) {
+    const std::optional<at::Tensor>& kl_sink) {
   static const auto op = find_op<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
       const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
       const at::Tensor&, const std::optional<at::Tensor>&, int64_t, c10::string_view, double,
       double, bool, const std::optional<at::Tensor>&)>("flashmsa::forward");
   return op.call(q, k, v, q_proxy, k_proxy, block_idx, top_k, mode, softmax_scale, proxy_scale,
-                 deterministic, kl_value);
+                 deterministic, kl_sink);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
     const at::Tensor& dout, const std::optional<at::Tensor>& kl_grad, const at::Tensor& q,
     const at::Tensor& k, const at::Tensor& v, const at::Tensor& q_proxy, const at::Tensor& k_proxy,
     const std::optional<at::Tensor>& block_idx, const at::Tensor& out, const at::Tensor& lse,
     const at::Tensor& proxy_lse, int64_t top_k, const std::string& mode, double softmax_scale,
-    double proxy_scale, bool deterministic, const std::optional<at::Tensor>& kl_value) {
-  static const auto op = find_op<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
+    double proxy_scale, bool deterministic) {
+  static const auto op = find_op<
+      std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
       const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&, const at::Tensor&,
       const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
       const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, c10::string_view, double,
-      double, bool, const std::optional<at::Tensor>&)>("flashmsa::backward");
+      double, bool)>("flashmsa::backward");
   return op.call(dout, kl_grad, q, k, v, q_proxy, k_proxy, block_idx, out, lse, proxy_lse, top_k,
-                 mode, softmax_scale, proxy_scale, deterministic, kl_value);
+                 mode, softmax_scale, proxy_scale, deterministic);
 }
 
 }  // namespace flashmsa::torch_ops

@@ -4,7 +4,9 @@ The .so (bindings/torch) defines the ops ``torch.ops.flashmsa.{select, forward, 
 their CPU (fp64 reference) and CUDA (kernels) implementations. This module adds, once:
 
 * fake (meta) implementations, so torch.compile traces the ops without graph breaks;
-* the autograd formula of ``forward``: its backward calls ``flashmsa::backward``.
+* the autograd formula of ``forward``: its backward calls ``flashmsa::backward``, and hands the
+  KL value that the backward returns to the optional ``kl_sink`` input as its gradient, so the
+  value reaches the caller through autograd itself (eager, torch.compile and CUDA graphs alike).
 
 The library is looked up in ``$FLASHMSA_TORCH_LIBRARY`` when set (e.g. a .so built on another
 machine), else next to this file, where ``pip install .`` puts it.
@@ -55,8 +57,8 @@ def _select_fake(q_proxy, k_proxy, top_k, proxy_scale=0.0):
 
 
 @torch.library.register_fake("flashmsa::forward")
-def _forward_fake(q, k, v, q_proxy, k_proxy, block_idx, top_k, mode="sparse", softmax_scale=0.0,
-                  proxy_scale=0.0, deterministic=False, kl_value=None):
+def _forward_fake(q, k, v, q_proxy, k_proxy, block_idx, top_k, attention_mode="sparse", softmax_scale=0.0,
+                  proxy_scale=0.0, deterministic=False, kl_sink=None):
     batch, seqlen, heads, _ = q.shape
     proxy_heads = q_proxy.shape[2]
     out = q.new_empty(q.shape)
@@ -68,9 +70,9 @@ def _forward_fake(q, k, v, q_proxy, k_proxy, block_idx, top_k, mode="sparse", so
 
 @torch.library.register_fake("flashmsa::backward")
 def _backward_fake(dout, kl_grad, q, k, v, q_proxy, k_proxy, block_idx, out, lse, proxy_lse, top_k,
-                   mode="sparse", softmax_scale=0.0, proxy_scale=0.0, deterministic=False,
-                   kl_value=None):
-    return tuple(torch.empty_like(t) for t in (q, k, v, q_proxy, k_proxy))
+                   attention_mode="sparse", softmax_scale=0.0, proxy_scale=0.0, deterministic=False):
+    gradients = tuple(torch.empty_like(t) for t in (q, k, v, q_proxy, k_proxy))
+    return gradients + (q.new_empty((), dtype=torch.float32),)
 
 
 # ---- autograd of flashmsa::forward ---------------------------------------------------------------
@@ -78,25 +80,29 @@ def _backward_fake(dout, kl_grad, q, k, v, q_proxy, k_proxy, block_idx, out, lse
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, q_proxy, k_proxy, block_idx, top_k, mode, softmax_scale, proxy_scale, deterministic,
-     kl_value) = inputs
+     kl_sink) = inputs
     out, lse, proxy_lse, _ = output
     ctx.mark_non_differentiable(lse, proxy_lse)
-    ctx.save_for_backward(q, k, v, q_proxy, k_proxy, block_idx, out, lse, proxy_lse, kl_value)
+    ctx.save_for_backward(q, k, v, q_proxy, k_proxy, block_idx, out, lse, proxy_lse)
     ctx.top_k = top_k
     ctx.mode = mode
     ctx.softmax_scale = softmax_scale
     ctx.proxy_scale = proxy_scale
     ctx.deterministic = deterministic
+    ctx.kl_sink_shape = None if kl_sink is None else kl_sink.shape
 
 
 def _backward(ctx, dout, dlse, dproxy_lse, dkl):
-    q, k, v, q_proxy, k_proxy, block_idx, out, lse, proxy_lse, kl_value = ctx.saved_tensors
+    q, k, v, q_proxy, k_proxy, block_idx, out, lse, proxy_lse = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
-    dq, dk, dv, dq_proxy, dk_proxy = ops.backward(
+    dq, dk, dv, dq_proxy, dk_proxy, kl_value = ops.backward(
         dout, dkl, q, k, v, q_proxy, k_proxy, block_idx, out, lse, proxy_lse, ctx.top_k, ctx.mode,
-        ctx.softmax_scale, ctx.proxy_scale, ctx.deterministic, kl_value)
-    return dq, dk, dv, dq_proxy, dk_proxy, None, None, None, None, None, None, None
+        ctx.softmax_scale, ctx.proxy_scale, ctx.deterministic)
+    kl_sink_grad = None
+    if ctx.kl_sink_shape is not None and ctx.needs_input_grad[11]:
+        kl_sink_grad = kl_value.reshape(ctx.kl_sink_shape)
+    return dq, dk, dv, dq_proxy, dk_proxy, None, None, None, None, None, None, kl_sink_grad
 
 
 torch.library.register_autograd("flashmsa::forward", _backward, setup_context=_setup_context)

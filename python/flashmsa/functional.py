@@ -16,22 +16,33 @@ MODES = ("sparse", "warmup")
 
 
 class _LastKL:
-    """The kl_value buffer of the most recent msa_attention call that allocated its own."""
+    """The KL sink of the most recent eager msa_attention call that made its own."""
 
-    value: Optional[torch.Tensor] = None
+    sink: Optional[torch.Tensor] = None
 
 
 _last = _LastKL()
 
 
-def last_kl() -> Optional[torch.Tensor]:
-    """The true KL value (SPEC.md §3) of the most recent ``msa_attention`` / ``flash_msa_func`` call
-    made without an explicit ``kl_value`` buffer, as an fp32 0-d tensor on the inputs' device.
+def new_kl_sink(device: Union[str, torch.device, None] = None) -> torch.Tensor:
+    """A fresh KL sink: an fp32 0-d leaf tensor with requires_grad=True.
 
-    The backward writes it, so read it after ``loss.backward()``; before that it holds 0. Reading
-    it (``.item()``) synchronises the host, so log it every n steps. Returns None before any call.
+    Pass it as ``msa_attention(..., kl_sink=sink)``: the backward of that call adds the true KL
+    value (SPEC.md §3) to ``sink.grad``, like a gradient: calls sharing a sink (layers,
+    micro-batches) sum their values until ``sink.grad = None``. Its own value is never read.
     """
-    return _last.value
+    return torch.zeros((), dtype=torch.float32, device=device, requires_grad=True)
+
+
+def last_kl() -> Optional[torch.Tensor]:
+    """The true KL value (SPEC.md §3) of the most recent eager ``msa_attention`` /
+    ``flash_msa_func`` call made without a ``kl_sink``, as an fp32 0-d tensor on its device.
+
+    The backward computes it, so it is None until ``loss.backward()`` has run for that call.
+    Reading it with ``.item()`` synchronises the host: log it every n steps. Calls traced by
+    torch.compile do not update it; pass a ``kl_sink`` there (MSAAttention does).
+    """
+    return None if _last.sink is None else _last.sink.grad
 
 
 def top_k_blocks(top_k: int, *, name: str = "top_k", caller: str = "msa_attention") -> int:
@@ -55,6 +66,15 @@ def _scale(value: Optional[float], name: str, caller: str) -> float:
     if not (value > 0.0 and value != float("inf")):
         raise ValueError(f"{caller}: {name}: must be a finite positive float or None, got {value}")
     return value
+
+
+def _check_kl_sink(sink, q: torch.Tensor, caller: str) -> None:
+    if not (isinstance(sink, torch.Tensor) and sink.dim() == 0 and sink.dtype == torch.float32
+            and sink.requires_grad and sink.device == q.device):
+        described = (f"{sink.dtype} of shape {list(sink.shape)} on {sink.device}, requires_grad="
+                     f"{sink.requires_grad}" if isinstance(sink, torch.Tensor) else type(sink).__name__)
+        raise ValueError(f"{caller}: kl_sink: must be a 0-d torch.float32 tensor with "
+                         f"requires_grad=True on {q.device} (flashmsa.new_kl_sink()), got {described}")
 
 
 def _check_tensor(tensor, name: str, caller: str) -> None:
@@ -96,7 +116,7 @@ def msa_attention(
     mode: str = "sparse",
     deterministic: bool = False,
     return_kl: bool = True,
-    kl_value: Optional[torch.Tensor] = None,
+    kl_sink: Optional[torch.Tensor] = None,
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """MiniMax Sparse Attention (SPEC.md §1-§5) with its KL alignment loss.
 
@@ -114,15 +134,16 @@ def msa_attention(
             the KL taken over all visible tokens; no selection is computed).
         deterministic: ask the backward for a run-to-run bitwise identical result.
         return_kl: when False, return ``out`` only (the KL then sends no gradient).
-        kl_value: optional fp32 0-d tensor on the inputs' device; the backward of this call writes
-            the true KL value into it. When None, a fresh one is made, readable as ``last_kl()``.
+        kl_sink: where the true KL value goes (see ``new_kl_sink()``): an fp32 0-d tensor with
+            requires_grad=True on the inputs' device; the backward of this call adds the value to
+            ``kl_sink.grad``. When None (eager mode), a fresh sink is made: ``last_kl()``.
 
     Returns:
         ``(out, kl)``: out [B, S, H, D] contiguous in the input dtype; kl a 0-d fp32 tensor whose
         gradient trains the proxies (dq_proxy, dk_proxy; none reaches q, k, v), so
         ``loss = task_loss + lam * kl`` works with no host synchronisation. Its VALUE is 0: the
         forward cannot know the final softmax statistics, so the KL value is accumulated by the
-        backward and lands in ``kl_value`` (or ``last_kl()``) once ``backward()`` has run.
+        backward and lands in ``kl_sink.grad`` (or ``last_kl()``) once ``backward()`` has run.
     """
     caller = "msa_attention"
     for tensor, name in ((q, "q"), (k, "k"), (v, "v"), (q_proxy, "q_proxy"), (k_proxy, "k_proxy")):
@@ -132,16 +153,17 @@ def msa_attention(
     blocks = top_k_blocks(top_k, caller=caller)
     sigma = _scale(softmax_scale, "softmax_scale", caller)
     sigma_p = _scale(proxy_scale, "proxy_scale", caller)
-    if return_kl and kl_value is None:
-        kl_value = torch.zeros((), dtype=torch.float32, device=q.device)
-        _last.value = kl_value
-    elif not return_kl:
-        kl_value = None
+    if not return_kl:
+        kl_sink = None
+    elif kl_sink is None and not torch.compiler.is_compiling():
+        kl_sink = _last.sink = new_kl_sink(q.device)
+    elif kl_sink is not None:
+        _check_kl_sink(kl_sink, q, caller)
     block_idx = None
     if mode == "sparse":
         block_idx = ops.select(q_proxy.detach(), k_proxy.detach(), blocks, sigma_p)
     out, _, _, kl = ops.forward(q, k, v, q_proxy, k_proxy, block_idx, blocks, mode, sigma, sigma_p,
-                                bool(deterministic), kl_value)
+                                bool(deterministic), kl_sink)
     return (out, kl) if return_kl else out
 
 

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from . import eager
-from .functional import MODES, msa_attention, top_k_blocks
+from .functional import MODES, msa_attention, new_kl_sink, top_k_blocks
 
 
 def apply_rotary(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
@@ -30,12 +30,28 @@ def apply_rotary(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0
     return rotated.flatten(-2).to(x.dtype)
 
 
+class _ReportToSink(torch.autograd.Function):
+    """Identity on the eager KL that, like the op, hands its value to the sink in the backward."""
+
+    @staticmethod
+    def forward(ctx, kl, sink):
+        ctx.save_for_backward(kl.detach())
+        return kl.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        (value,) = ctx.saved_tensors
+        return grad, value
+
+
 class MSAAttention(nn.Module):
     """Causal GQA attention with MiniMax Sparse Attention's index branch.
 
     forward(hidden_states [B, S, hidden_size], positions=None) -> (out [B, S, hidden_size], kl).
-    ``kl`` is msa_attention's 0-valued loss term: add ``lam * kl`` to the loss; after backward the
-    true KL value of the call is in ``self.kl_value`` (fp32 0-d tensor on the layer's device).
+    ``kl`` is msa_attention's 0-valued loss term: add ``lam * kl`` to the loss. After backward the
+    true KL value is in ``self.kl_value`` (fp32 0-d tensor on the layer's device). It accumulates
+    over the backward passes since ``reset_kl()`` (e.g. over micro-batches), like a gradient that
+    ``optimizer.zero_grad()`` does not touch: call ``reset_kl()`` once per step.
 
     Args:
         hidden_size: model width.
@@ -82,7 +98,7 @@ class MSAAttention(nn.Module):
                                       **factory)
         self.mode = "sparse"
         self.set_mode(mode)
-        self._kl_value: Optional[torch.Tensor] = None
+        self._kl_sink = new_kl_sink(self.q_proj.weight.device)
 
     def set_mode(self, mode: str) -> None:
         """"warmup" -> "sparse" when the proxies have learnt enough (paper: after the warmup)."""
@@ -92,8 +108,19 @@ class MSAAttention(nn.Module):
 
     @property
     def kl_value(self) -> Optional[torch.Tensor]:
-        """The true KL value of the last forward, written by its backward (fp32 0-d tensor)."""
-        return self._kl_value
+        """The KL value summed over the backward passes since reset_kl(); None before any."""
+        return self._kl_sink.grad
+
+    def reset_kl(self) -> None:
+        self._kl_sink.grad = None
+
+    def _apply(self, fn, recurse=True):
+        # NOTES: the sink is a plain fp32 leaf, not a buffer (a buffer would be cast by
+        # module.to(dtype) and stop being a leaf); it follows the weights' device here.
+        module = super()._apply(fn, recurse)
+        if self._kl_sink.device != self.q_proj.weight.device:
+            self._kl_sink = new_kl_sink(self.q_proj.weight.device)
+        return module
 
     def _heads(self, x: torch.Tensor, heads: int, dim: int) -> torch.Tensor:
         return x.unflatten(-1, (heads, dim))  # [B, S, heads*dim] -> [B, S, heads, dim]
@@ -113,13 +140,11 @@ class MSAAttention(nn.Module):
                 positions = torch.arange(seqlen, device=hidden_states.device)
             q, k, q_proxy, k_proxy = (apply_rotary(x, positions, self.rotary_base)
                                       for x in (q, k, q_proxy, k_proxy))
-        if self._kl_value is None or self._kl_value.device != hidden_states.device:
-            self._kl_value = torch.zeros((), dtype=torch.float32, device=hidden_states.device)
         scales = {"softmax_scale": self.softmax_scale, "proxy_scale": self.proxy_scale}
         if self.backend == "eager":
             out, kl = eager.msa_attention(q, k, v, q_proxy, k_proxy, self.top_k, mode=self.mode, **scales)
-            self._kl_value.copy_(kl.detach())
+            kl = _ReportToSink.apply(kl, self._kl_sink)
         else:
             out, kl = msa_attention(q, k, v, q_proxy, k_proxy, self.top_k, mode=self.mode,
-                                    deterministic=self.deterministic, kl_value=self._kl_value, **scales)
+                                    deterministic=self.deterministic, kl_sink=self._kl_sink, **scales)
         return self.o_proj(out.reshape(batch, seqlen, -1)), kl
