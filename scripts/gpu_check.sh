@@ -51,4 +51,23 @@ fi
 python3 "$root/bench/results.py" --commit "$commit" --gpu "$gpu" \
   --tests "$raw/gpu_tests.json" --rows "$raw/flashmsa_rows.json" "${anchor_rows[@]}" \
   --out "$results_dir/h200.json"
-exit $tests_rc
+# ---- PyTorch tests (tests/python) on the GPU, with a carried or locally built library -------------
+# libflashmsa_torch.so comes from scripts/setup_torch.sh (build-torch/, or FLASHMSA_TORCH_LIBRARY);
+# it links only libtorch, so a copy built elsewhere against torch 2.11 loads into this python3.
+# PYTORCH_TESTS=0 skips the step. A python3 without pytest gets it from carried wheels in .whl/.
+python_rc=0
+if [[ "${PYTORCH_TESTS:-1}" != "0" ]]; then
+  echo "== PyTorch tests"
+  torch_library="${FLASHMSA_TORCH_LIBRARY:-$root/build-torch/libflashmsa_torch.so}"
+  if [[ ! -f "$torch_library" ]]; then
+    echo "PyTorch tests skipped: $torch_library not found (scripts/setup_torch.sh builds it)"
+  else
+    if ! python3 -c "import pytest" 2>/dev/null && compgen -G "$root/.whl/pytest-*.whl" >/dev/null; then
+      python3 -m pip install --quiet --no-index --find-links "$root/.whl" pytest
+    fi
+    FLASHMSA_TORCH_LIBRARY="$torch_library" python3 -m pytest -q -rs "$root/tests/python" \
+      --junitxml="$raw/python_tests.xml" 2>&1 | tee "$raw/python_tests.log"
+    python_rc=${PIPESTATUS[0]}
+  fi
+fi
+exit $(( tests_rc != 0 ? tests_rc : python_rc ))

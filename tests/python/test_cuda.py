@@ -133,7 +133,7 @@ def host_microseconds(call, repeats=5, calls=200):
     return sorted(samples)[repeats // 2]
 
 
-def test_host_overhead_per_call():
+def test_host_overhead_per_call(record_property):
     inputs = cuda_inputs("seed", seqlen=256)
     blocks = 2
     with kernels_or_skip():
@@ -144,4 +144,7 @@ def test_host_overhead_per_call():
     attention_us = host_microseconds(lambda: flashmsa.msa_attention(*inputs, 128 * blocks))
     print(f"host overhead per call: select {select_us:.1f} us, forward {forward_us:.1f} us, "
           f"msa_attention (select + forward + autograd) {attention_us:.1f} us")
+    for name, value in (("select_us", select_us), ("forward_us", forward_us),
+                        ("msa_attention_us", attention_us)):
+        record_property(name, round(value, 1))
     assert select_us <= 50 and forward_us <= 50
