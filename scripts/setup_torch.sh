@@ -7,8 +7,8 @@
 # Steps: (1) the venv and the pins (skipped when the pins are already installed); (2) the flashmsa
 # core (C++ API, kernels, reference) through scripts/build.sh into build/, incrementally; (3)
 # `pip install .` (scikit-build-core, bindings/torch/CMakeLists.txt) linking that core; (4) a copy
-# of the library at build-torch/libflashmsa_torch.so, the file to carry to a GPU machine (see
-# docs/gpu_check.md), and the pytest wheels in .whl/ for a machine that has torch but no pytest.
+# of the library at build-torch/libflashmsa_torch.so, the file scripts/gpu_check.sh tests on a GPU
+# machine, and the pytest wheels in .whl/ for a machine that has torch but no pytest.
 # Environment: PYTHON (default python3) makes the venv; FLASHMSA_TORCH_VENV moves it.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
