@@ -36,8 +36,8 @@ void copy_doubles(const std::vector<double>& values, at::Tensor& destination) {
 
 std::vector<int32_t> block_idx_values(const ForwardParams& params) {
   if (params.mode != Mode::kSparse) return {};
-  const int64_t count = params.shape.batch * params.shape.num_proxy_heads * params.shape.seqlen *
-                        params.shape.top_k;
+  const int64_t count =
+      params.shape.batch * params.shape.num_proxy_heads * params.shape.seqlen * params.shape.top_k;
   return std::vector<int32_t>(params.block_idx, params.block_idx + count);
 }
 
@@ -93,7 +93,8 @@ at::Tensor select_cpu(const at::Tensor& q_proxy, const at::Tensor& k_proxy, int6
   in.v = in.k;
   in.q_proxy = to_doubles(q_proxy);
   in.k_proxy = to_doubles(k_proxy);
-  const std::vector<int32_t> values = run_reference(op, [&] { return reference::select(in, kPrecision); });
+  const std::vector<int32_t> values =
+      run_reference(op, [&] { return reference::select(in, kPrecision); });
   std::memcpy(block_idx.data_ptr<int32_t>(), values.data(), values.size() * sizeof(int32_t));
   return block_idx;
 }
@@ -109,7 +110,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_cpu(
                                         std::string(mode), softmax_scale, proxy_scale, op);
   if (kl_sink.has_value()) check_scalar(*kl_sink, "kl_sink", q, op);
   const ProblemShape& shape = params.shape;
-  at::Tensor lse = at::empty({shape.batch, shape.num_heads, shape.seqlen}, q.options().dtype(at::kFloat));
+  at::Tensor lse =
+      at::empty({shape.batch, shape.num_heads, shape.seqlen}, q.options().dtype(at::kFloat));
   at::Tensor proxy_lse =
       at::empty({shape.batch, shape.num_proxy_heads, shape.seqlen}, q.options().dtype(at::kFloat));
   at::Tensor out = at::empty(q.sizes(), q.options());
@@ -168,8 +170,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     return reference::backward(in, blocks, to_doubles(dout_view), kl_gradient, params.mode,
                                kPrecision);
   });
-  const double kl = run_reference(
-      op, [&] { return reference::forward(in, blocks, params.mode, kPrecision).kl; });
+  const double kl =
+      run_reference(op, [&] { return reference::forward(in, blocks, params.mode, kPrecision).kl; });
   copy_doubles(gradients.dq, dq);
   copy_doubles(gradients.dk, dk);
   copy_doubles(gradients.dv, dv);

@@ -31,8 +31,8 @@ cudaStream_t current_stream(const at::Tensor& like) {
 // NOTES: the forward's schedule is rebuilt here rather than saved from the forward, so that no
 // opaque byte buffer crosses the op boundary (fake tensors, opcheck and torch.compile see plain
 // outputs). It costs one schedule launch per backward (docs/design.md §3: < 0.1 ms at 128K).
-at::Tensor build_schedule(const ProblemShape& shape, const int32_t* block_idx, const at::Tensor& like,
-                          cudaStream_t stream, Op op) {
+at::Tensor build_schedule(const ProblemShape& shape, const int32_t* block_idx,
+                          const at::Tensor& like, cudaStream_t stream, Op op) {
   at::Tensor schedule = device_buffer(schedule_workspace_size(shape), like);
   ScheduleParams params;
   params.shape = shape;

@@ -11,9 +11,8 @@
 #include "flashmsa/torch.h"
 
 TORCH_LIBRARY(flashmsa, m) {
-  m.def(
-      "select(Tensor q_proxy, Tensor k_proxy, int top_k, float proxy_scale=0.) -> Tensor",
-      {at::Tag::pt2_compliant_tag});
+  m.def("select(Tensor q_proxy, Tensor k_proxy, int top_k, float proxy_scale=0.) -> Tensor",
+        {at::Tag::pt2_compliant_tag});
   m.def(
       "forward(Tensor q, Tensor k, Tensor v, Tensor q_proxy, Tensor k_proxy, Tensor? block_idx, "
       "int top_k, str attention_mode=\"sparse\", float softmax_scale=0., float proxy_scale=0., "
@@ -42,8 +41,8 @@ c10::TypedOperatorHandle<Signature> find_op(const char* name) {
 
 at::Tensor select(const at::Tensor& q_proxy, const at::Tensor& k_proxy, int64_t top_k,
                   double proxy_scale) {
-  static const auto op =
-      find_op<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, double)>("flashmsa::select");
+  static const auto op = find_op<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, double)>(
+      "flashmsa::select");
   return op.call(q_proxy, k_proxy, top_k, proxy_scale);
 }
 
@@ -53,9 +52,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward(
     const std::string& mode, double softmax_scale, double proxy_scale, bool deterministic,
     const std::optional<at::Tensor>& kl_sink) {
   static const auto op = find_op<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
-      const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-      const at::Tensor&, const std::optional<at::Tensor>&, int64_t, c10::string_view, double,
-      double, bool, const std::optional<at::Tensor>&)>("flashmsa::forward");
+      const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+      const std::optional<at::Tensor>&, int64_t, c10::string_view, double, double, bool,
+      const std::optional<at::Tensor>&)>("flashmsa::forward");
   return op.call(q, k, v, q_proxy, k_proxy, block_idx, top_k, mode, softmax_scale, proxy_scale,
                  deterministic, kl_sink);
 }
@@ -66,12 +65,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     const std::optional<at::Tensor>& block_idx, const at::Tensor& out, const at::Tensor& lse,
     const at::Tensor& proxy_lse, int64_t top_k, const std::string& mode, double softmax_scale,
     double proxy_scale, bool deterministic) {
-  static const auto op = find_op<
-      std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
-      const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&, const at::Tensor&,
-      const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-      const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, c10::string_view, double,
-      double, bool)>("flashmsa::backward");
+  static const auto op =
+      find_op<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
+          const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&, const at::Tensor&,
+          const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+          const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, c10::string_view,
+          double, double, bool)>("flashmsa::backward");
   return op.call(dout, kl_grad, q, k, v, q_proxy, k_proxy, block_idx, out, lse, proxy_lse, top_k,
                  mode, softmax_scale, proxy_scale, deterministic);
 }

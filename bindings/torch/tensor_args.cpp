@@ -39,7 +39,8 @@ constexpr std::array<ShapeField, 9> kShapeFields = {{
     {"shape.num_proxy_kv_heads", "k_proxy.size(2) (num_proxy_kv_heads)",
      "k_proxy.size(2) (num_proxy_kv_heads)"},
     {"shape.head_dim", "q.size(3) (head_dim)", "q_proxy.size(3) (proxy_head_dim)"},
-    {"shape.proxy_head_dim", "q_proxy.size(3) (proxy_head_dim)", "q_proxy.size(3) (proxy_head_dim)"},
+    {"shape.proxy_head_dim", "q_proxy.size(3) (proxy_head_dim)",
+     "q_proxy.size(3) (proxy_head_dim)"},
     {"shape.top_k", "top_k (blocks)", "top_k (blocks)"},
 }};
 
@@ -64,7 +65,8 @@ std::string torch_argument(std::string field, Op op) {
     }
   }
   for (const auto& [suffix, replacement] : kTensorFields) {
-    if (ends_with(field, suffix)) return field.substr(0, field.size() - std::string(suffix).size()) + replacement;
+    if (ends_with(field, suffix))
+      return field.substr(0, field.size() - std::string(suffix).size()) + replacement;
   }
   return field;
 }
@@ -140,8 +142,8 @@ ProblemShape attention_shape(const at::Tensor& q, const at::Tensor& k, const at:
   same_tokens(v, "v");
   same_tokens(q_proxy, "q_proxy");
   same_tokens(k_proxy, "k_proxy");
-  TORCH_CHECK_VALUE(k.size(3) == q.size(3), op_name(op), ": k: head dim must match q's (", q.size(3),
-                    "), got ", k.size(3));
+  TORCH_CHECK_VALUE(k.size(3) == q.size(3), op_name(op), ": k: head dim must match q's (",
+                    q.size(3), "), got ", k.size(3));
   TORCH_CHECK_VALUE(v.sizes() == k.sizes(), op_name(op), ": v: shape must match k's ",
                     sizes_text(k), ", got ", sizes_text(v));
   TORCH_CHECK_VALUE(k_proxy.size(3) == q_proxy.size(3), op_name(op),
@@ -177,9 +179,9 @@ ProblemShape select_shape(const at::Tensor& q_proxy, const at::Tensor& k_proxy, 
   TORCH_CHECK_VALUE(k_proxy.size(3) == q_proxy.size(3), op_name(op),
                     ": k_proxy: head dim must match q_proxy's (", q_proxy.size(3), "), got ",
                     k_proxy.size(3));
-  TORCH_CHECK_VALUE(q_proxy.size(2) <= INT32_MAX && k_proxy.size(2) <= INT32_MAX &&
-                        q_proxy.size(3) <= INT32_MAX,
-                    op_name(op), ": q_proxy, k_proxy: head counts and dims must be < 2^31");
+  TORCH_CHECK_VALUE(
+      q_proxy.size(2) <= INT32_MAX && k_proxy.size(2) <= INT32_MAX && q_proxy.size(3) <= INT32_MAX,
+      op_name(op), ": q_proxy, k_proxy: head counts and dims must be < 2^31");
   TORCH_CHECK_VALUE(top_k >= INT32_MIN && top_k <= INT32_MAX, op_name(op),
                     ": top_k (blocks): must be in [1, ", kMaxTopK, "], got ", top_k);
   ProblemShape shape;
@@ -241,8 +243,8 @@ TensorRef tensor_ref(const at::Tensor& tensor) {
 
 at::Tensor kernel_layout(const at::Tensor& tensor, const char* name, const at::Tensor& q, Op op) {
   TORCH_CHECK_VALUE(tensor.defined(), op_name(op), ": ", name, ": must be a tensor, got None");
-  TORCH_CHECK_VALUE(tensor.sizes() == q.sizes(), op_name(op), ": ", name,
-                    ": shape must match q's ", sizes_text(q), ", got ", sizes_text(tensor));
+  TORCH_CHECK_VALUE(tensor.sizes() == q.sizes(), op_name(op), ": ", name, ": shape must match q's ",
+                    sizes_text(q), ", got ", sizes_text(tensor));
   constexpr int64_t kStrideMultiple = 8;  // 16 bytes of 16-bit elements
   bool usable = tensor.stride(3) == 1 && reinterpret_cast<uintptr_t>(tensor.data_ptr()) % 16 == 0;
   for (int dim = 0; dim < 3 && usable; ++dim) {
@@ -316,11 +318,10 @@ void check_saved_outputs(const at::Tensor& out, const at::Tensor& lse, const at:
 void check_scalar(const at::Tensor& tensor, const char* name, const at::Tensor& q, Op op) {
   TORCH_CHECK_VALUE(tensor.device() == q.device(), op_name(op), ": ", name,
                     ": must be on the device of q (", q.device(), "), got ", tensor.device());
-  TORCH_CHECK_VALUE(tensor.scalar_type() == at::kFloat && tensor.numel() == 1 &&
-                        tensor.is_contiguous(),
-                    op_name(op), ": ", name,
-                    ": must be a contiguous one-element torch.float32 tensor, got ",
-                    tensor.scalar_type(), " of shape ", sizes_text(tensor));
+  TORCH_CHECK_VALUE(
+      tensor.scalar_type() == at::kFloat && tensor.numel() == 1 && tensor.is_contiguous(),
+      op_name(op), ": ", name, ": must be a contiguous one-element torch.float32 tensor, got ",
+      tensor.scalar_type(), " of shape ", sizes_text(tensor));
 }
 
 }  // namespace flashmsa::torch_binding

@@ -48,7 +48,8 @@ ProblemShape select_shape(const at::Tensor& q_proxy, const at::Tensor& k_proxy, 
 void check_block_idx(const at::Tensor& block_idx, const ProblemShape& shape, const at::Tensor& like,
                      Op op);
 
-// An fp32 tensor of exactly `sizes`, contiguous, on the device of `like` (lse, proxy_lse, kl_value).
+// An fp32 tensor of exactly `sizes`, contiguous, on the device of `like` (lse, proxy_lse,
+// kl_value).
 void check_float_array(const at::Tensor& tensor, const char* name, at::IntArrayRef sizes,
                        const at::Tensor& like, Op op);
 

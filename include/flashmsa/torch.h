@@ -10,8 +10,8 @@
 // not tokens. Scales of 0 select the defaults D^-1/2 and Di^-1/2. mode is "sparse" or "warmup"
 // (the op schemas call it attention_mode).
 //
-// Errors: a violated rule throws c10::ValueError naming the argument; a valid input without a kernel
-// in this build throws c10::NotImplementedError; device errors throw c10::Error.
+// Errors: a violated rule throws c10::ValueError naming the argument; a valid input without a
+// kernel in this build throws c10::NotImplementedError; device errors throw c10::Error.
 //
 // These are the raw ops, without autograd: a training step calls select, forward, then backward
 // with the upstream gradients (Python's flashmsa.msa_attention wires them into autograd).
