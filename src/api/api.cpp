@@ -59,15 +59,14 @@ Status select(const SelectParams& params, cudaStream_t stream) {
 Status schedule(const ScheduleParams& params, cudaStream_t stream) {
   if (Status status = validate(params); !status.ok()) return status;
   if (Status status = check_device(); !status.ok()) return status;
-  (void)stream;
-  return not_built("schedule");
+  return kernels::launch_schedule(params, stream);
 }
 
 Status forward(const ForwardParams& params, cudaStream_t stream) {
   if (Status status = validate(params); !status.ok()) return status;
   if (Status status = check_device(); !status.ok()) return status;
-  (void)stream;
-  return not_built("forward");
+  if (params.mode == Mode::kWarmup) return not_built("forward (warmup mode)");
+  return kernels::launch_forward(params, stream);
 }
 
 Status backward(const BackwardParams& params, cudaStream_t stream) {

@@ -2,17 +2,22 @@
 // from the device. Each size is the upper bound documented in docs/design.md for its stage.
 #include "flashmsa/api.h"
 
+#include "kernels/forward/config.h"
+#include "kernels/schedule/config.h"
+
 namespace flashmsa {
 
+// Sort keys and entries (double-buffered, 16 B per block_idx entry), the per-list tables, the tile
+// list and CUB's temporary storage: kernels/schedule/config.h.
 size_t schedule_workspace_size(const ProblemShape& shape) {
-  (void)shape;
-  return 0;
+  return kernels::schedule::make_schedule_layout(shape).total;
 }
 
+// Sparse mode: the partials of one query chunk, ≤ 5 GB (kernels/forward/config.h). Warmup mode
+// has no forward kernel in this build.
 size_t forward_workspace_size(const ProblemShape& shape, Mode mode) {
-  (void)shape;
-  (void)mode;
-  return 0;
+  if (mode == Mode::kWarmup) return 0;
+  return kernels::forward::make_forward_layout(shape).total;
 }
 
 size_t backward_workspace_size(const ProblemShape& shape, Mode mode, bool deterministic) {

@@ -11,4 +11,10 @@ namespace flashmsa::kernels {
 
 Status launch_select(const SelectParams& params, cudaStream_t stream);
 
+// Builds the reverse index and work tiles of kernels/schedule/config.h in params.workspace.
+Status launch_schedule(const ScheduleParams& params, cudaStream_t stream);
+
+// Sparse-mode forward over the tiles of a schedule built for the same shape and block_idx.
+Status launch_forward(const ForwardParams& params, cudaStream_t stream);
+
 }  // namespace flashmsa::kernels

@@ -1,0 +1,180 @@
+// Benchmarks of the schedule and the sparse forward (stages "schedule" and "forward") on the named
+// configurations and the selection patterns of SPEC.md, with block_idx made on the device:
+//   random       slot 0 the local block, then K−1 distinct earlier blocks drawn per query (a hash
+//                of (b, p, i)): per-query, nearly uncorrelated, like select on Gaussian proxies.
+//   hot          the local block, block 0 and the K−2 most recent blocks: maximal fan-in.
+//   tile_shared  the random draw keyed by (b, p, query block): all 128 queries of a block share it.
+// TFLOP/s counts 4·D·|T|·H per query, |T| = (min(K, c(i)+1) − 1)·128 + (i mod 128) + 1.
+#include <cuda_bf16.h>
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+
+#include "bench.h"
+#include "common/cases.h"
+#include "flashmsa/api.h"
+
+namespace flashmsa::bench {
+namespace {
+
+__device__ __forceinline__ uint64_t mix(uint64_t x) {
+  x ^= x >> 33;
+  x *= 0xff51afd7ed558ccdull;
+  x ^= x >> 33;
+  x *= 0xc4ceb9fe1a85ec53ull;
+  return x ^ (x >> 33);
+}
+
+__global__ void fill_gaussian(__nv_bfloat16* data, int64_t count, uint64_t seed) {
+  for (int64_t n = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; n < count; n += int64_t(gridDim.x) * blockDim.x) {
+    const uint64_t bits = mix(seed * 0x9e3779b97f4a7c15ull + n);
+    const float u1 = (float((bits >> 40) & 0xffffff) + 0.5f) / 16777216.f;
+    const float u2 = float(bits & 0xffffff) / 16777216.f;
+    data[n] = __float2bfloat16(sqrtf(-2.f * logf(u1)) * cospif(2.f * u2));
+  }
+}
+
+enum Pattern { kRandomPattern = 0, kHotPattern = 1, kTileSharedPattern = 2 };
+
+__global__ void make_selection(int32_t* block_idx, int64_t rows, int64_t seqlen, int top_k, int pattern) {
+  const int64_t row = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;  // (b · Hp + p) · S + i
+  if (row >= rows) return;
+  const int64_t i = row % seqlen;
+  const int local = int(i / 128);
+  int32_t* slots = block_idx + row * top_k;
+  const int visible = min(top_k, local + 1);
+  slots[0] = local;
+  if (pattern == kHotPattern) {
+    int filled = 1;
+    if (local > 0 && filled < visible) slots[filled++] = 0;
+    for (int c = local - 1; filled < visible; --c) slots[filled++] = c;
+  } else {
+    const uint64_t key = pattern == kTileSharedPattern ? uint64_t(row - i + local) : uint64_t(row);
+    uint64_t state = mix(key + 12345);
+    for (int filled = 1; filled < visible;) {
+      int c;
+      if (local + 1 <= top_k) {
+        c = filled - 1;  // every earlier block is kept
+      } else {
+        state = mix(state + 1);
+        c = int(state % uint64_t(local));
+      }
+      bool seen = false;
+      for (int s = 1; s < filled; ++s) seen = seen || slots[s] == c;
+      if (!seen) slots[filled++] = c;
+    }
+  }
+  for (int s = visible; s < top_k; ++s) slots[s] = -1;
+}
+
+double counted_flops(const ProblemShape& shape) {
+  double tokens = 0;
+  for (int64_t i = 0; i < shape.seqlen; ++i) {
+    const int64_t visible = std::min<int64_t>(shape.top_k, i / 128 + 1);
+    tokens += double((visible - 1) * 128 + i % 128 + 1);
+  }
+  return 4.0 * shape.head_dim * shape.num_heads * shape.batch * tokens;
+}
+
+testing::DeviceBuffer<__nv_bfloat16> gaussian(int64_t count, uint64_t seed) {
+  testing::DeviceBuffer<__nv_bfloat16> buffer(count);
+  fill_gaussian<<<1024, 256>>>(buffer.get(), count, seed);
+  FLASHMSA_CUDA_CHECK(cudaGetLastError());
+  return buffer;
+}
+
+}  // namespace
+
+FLASHMSA_BENCH(forward, bench_forward) {
+  cudaStream_t stream;
+  FLASHMSA_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  for (const std::string& config_name : options.configs) {
+    const cases::HeadConfig* config = cases::find_config(config_name);
+    if (config == nullptr) continue;
+    for (int64_t seqlen : options.seqlens) {
+      const ProblemShape shape = cases::make_shape(*config, 1, seqlen);
+      auto q = gaussian(seqlen * shape.num_heads * shape.head_dim, 1);
+      auto k = gaussian(seqlen * shape.num_kv_heads * shape.head_dim, 2);
+      auto v = gaussian(seqlen * shape.num_kv_heads * shape.head_dim, 3);
+      auto q_proxy = gaussian(seqlen * shape.num_proxy_heads * shape.proxy_head_dim, 4);
+      auto k_proxy = gaussian(seqlen * shape.num_proxy_kv_heads * shape.proxy_head_dim, 5);
+      testing::DeviceBuffer<__nv_bfloat16> out(seqlen * shape.num_heads * shape.head_dim);
+      testing::DeviceBuffer<float> lse(seqlen * shape.num_heads);
+      testing::DeviceBuffer<float> proxy_lse(seqlen * shape.num_proxy_heads);
+      const int64_t selection_rows = shape.num_proxy_heads * seqlen;
+      testing::DeviceBuffer<int32_t> block_idx(selection_rows * shape.top_k);
+      testing::DeviceBuffer<char> schedule_workspace(schedule_workspace_size(shape));
+      testing::DeviceBuffer<char> forward_workspace(forward_workspace_size(shape, Mode::kSparse));
+      const double flops = counted_flops(shape);
+
+      for (const std::string& pattern : options.patterns) {
+        const int pattern_id = pattern == "random" ? kRandomPattern
+                               : pattern == "hot"  ? kHotPattern
+                               : pattern == "tile_shared" ? kTileSharedPattern
+                                                          : -1;
+        if (pattern_id < 0) continue;
+        make_selection<<<unsigned((selection_rows + 255) / 256), 256, 0, stream>>>(block_idx.get(), selection_rows, seqlen,
+                                                                          shape.top_k, pattern_id);
+        FLASHMSA_CUDA_CHECK(cudaGetLastError());
+
+        ScheduleParams schedule_params;
+        schedule_params.shape = shape;
+        schedule_params.block_idx = block_idx.get();
+        schedule_params.workspace = schedule_workspace.get();
+        ForwardParams params;
+        params.shape = shape;
+        params.dtype = DType::kBF16;
+        params.q = cases::bshd(q.get(), shape, shape.num_heads, shape.head_dim);
+        params.k = cases::bshd(k.get(), shape, shape.num_kv_heads, shape.head_dim);
+        params.v = cases::bshd(v.get(), shape, shape.num_kv_heads, shape.head_dim);
+        params.q_proxy = cases::bshd(q_proxy.get(), shape, shape.num_proxy_heads, shape.proxy_head_dim);
+        params.k_proxy = cases::bshd(k_proxy.get(), shape, shape.num_proxy_kv_heads, shape.proxy_head_dim);
+        params.block_idx = block_idx.get();
+        params.schedule = schedule_workspace.get();
+        params.out = cases::bshd(out.get(), shape, shape.num_heads, shape.head_dim);
+        params.lse = lse.get();
+        params.proxy_lse = proxy_lse.get();
+        params.workspace = forward_workspace.get();
+
+        bool failed = false;
+        auto run_schedule = [&](cudaStream_t s) {
+          const Status status = flashmsa::schedule(schedule_params, s);
+          if (!status.ok()) {
+            std::fprintf(stderr, "schedule failed: %s\n", status.message.c_str());
+            failed = true;
+          }
+        };
+        auto run_forward = [&](cudaStream_t s) {
+          const Status status = flashmsa::forward(params, s);
+          if (!status.ok()) {
+            std::fprintf(stderr, "forward failed: %s\n", status.message.c_str());
+            failed = true;
+          }
+        };
+        const double schedule_ms = time_median_ms(run_schedule, stream, options.warmup, options.repeats);
+        const double forward_ms = time_median_ms(run_forward, stream, options.warmup, options.repeats);
+        if (failed) continue;
+        const double memory_gb = device_memory_used_gb();
+
+        Row row;
+        row.stage = "schedule";
+        row.config = config_name;
+        row.pattern = pattern;
+        row.seqlen = seqlen;
+        row.ms = schedule_ms;
+        row.peak_mem_gb = memory_gb;
+        row.note = "block_idx made on the device (bench_forward.cu patterns)";
+        rows.push_back(row);
+        row.stage = "forward";
+        row.ms = forward_ms;
+        row.tflops = flops / (forward_ms * 1e-3) / 1e12;
+        row.note = "sparse main branch + proxy_lse, schedule excluded";
+        rows.push_back(row);
+      }
+    }
+  }
+  cudaStreamDestroy(stream);
+}
+
+}  // namespace flashmsa::bench

@@ -1,0 +1,135 @@
+// The sparse forward's combine: merges the ≤ K partial outputs of every (query row, head) of one
+// query chunk by their LSEs into O (input dtype, strided) and LSE [b, h, s], and the proxy partial
+// LSEs into proxy_lse [b, hp, s].
+//
+// Comes before: forward/kernel.cuh (the partials of the chunk). Last stage of the forward.
+//
+// One warp per (row, head); lane l owns dims 4l … 4l+3, so every partial row is one coalesced
+// 256-byte read. Slots past the first −1 of block_idx were never written and are skipped.
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/forward/kernel.cuh"
+
+namespace flashmsa::kernels::forward {
+
+template <typename Element>
+struct CombineArgs {
+  const Element* partial_out;      // [chunk_rows, H, K, D]
+  const float* partial_lse;        // [chunk_rows, H, K]
+  const float* partial_proxy_lse;  // [chunk_rows, Hp, K]
+  const int32_t* block_idx;        // [b, hp, s, k]
+  Strided<Element> out;            // [b, s, h, d]
+  float* lse;                      // [b, h, s]
+  float* proxy_lse;                // [b, hp, s]
+  int64_t chunk_first_row;
+  int64_t chunk_rows;              // rows of this chunk (the last may be short)
+  int64_t seqlen;
+  int num_heads, num_proxy_heads, heads_per_proxy, top_k;
+};
+
+struct alignas(8) Half4 {
+  uint32_t low, high;
+};
+
+template <typename Element>
+__device__ __forceinline__ void unpack4(const Half4& packed, float (&values)[4]) {
+  using Pair = typename std::conditional<std::is_same<Element, __half>::value, __half2, __nv_bfloat162>::type;
+  const Pair low = *reinterpret_cast<const Pair*>(&packed.low);
+  const Pair high = *reinterpret_cast<const Pair*>(&packed.high);
+  if constexpr (std::is_same<Element, __half>::value) {
+    const float2 a = __half22float2(low);
+    const float2 c = __half22float2(high);
+    values[0] = a.x, values[1] = a.y, values[2] = c.x, values[3] = c.y;
+  } else {
+    const float2 a = __bfloat1622float2(low);
+    const float2 c = __bfloat1622float2(high);
+    values[0] = a.x, values[1] = a.y, values[2] = c.x, values[3] = c.y;
+  }
+}
+
+// Log-sum-exp over the lanes' values (−inf lanes contribute nothing); returns (max, Σ e^(x − max)).
+__device__ __forceinline__ float2 warp_logsumexp_parts(float x0, float x1) {
+  float top = fmaxf(x0, x1);
+  for (int offset = 16; offset > 0; offset /= 2) top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, offset));
+  const float base = top == kNegInf ? 0.f : top;
+  float sum = expf(x0 - base) + expf(x1 - base);
+  for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+  return make_float2(top, sum);
+}
+
+template <typename Element>
+__global__ void __launch_bounds__(256) sparse_forward_combine(const CombineArgs<Element> args) {
+  const int64_t warp_index = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32;
+  if (warp_index >= args.chunk_rows * args.num_heads) return;
+  const int head = int(warp_index % args.num_heads);
+  const int64_t local_row = warp_index / args.num_heads;
+  const int64_t flat_row = args.chunk_first_row + local_row;
+  const int64_t b = flat_row / args.seqlen;
+  const int64_t i = flat_row % args.seqlen;
+  const int proxy_head = head / args.heads_per_proxy;
+  const int K = args.top_k;
+
+  const int32_t* selection = args.block_idx + ((b * args.num_proxy_heads + proxy_head) * args.seqlen + i) * K;
+  const bool valid0 = lane < K && selection[lane] >= 0;
+  const bool valid1 = lane + 32 < K && selection[lane + 32] >= 0;
+
+  // ---- weights of the partials --------------------------------------------------------------
+  const int64_t partial_row = local_row * args.num_heads + head;
+  const float* lse_row = args.partial_lse + partial_row * K;
+  const float lse0 = valid0 ? lse_row[lane] : kNegInf;
+  const float lse1 = valid1 ? lse_row[lane + 32] : kNegInf;
+  const float2 parts = warp_logsumexp_parts(lse0, lse1);
+  const float base = parts.x == kNegInf ? 0.f : parts.x;
+  const float inverse = parts.y > 0.f ? 1.f / parts.y : 0.f;
+  const float weight0 = expf(lse0 - base) * inverse;
+  const float weight1 = expf(lse1 - base) * inverse;
+  const uint32_t valid_mask0 = __ballot_sync(0xffffffffu, valid0);
+  const uint32_t valid_mask1 = __ballot_sync(0xffffffffu, valid1);
+
+  // ---- weighted sum of the partial outputs --------------------------------------------------
+  const Half4* partial = reinterpret_cast<const Half4*>(args.partial_out + partial_row * K * kHeadDim) + lane;
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll 4
+  for (int slot = 0; slot < 32 && slot < K; ++slot) {
+    const float weight = __shfl_sync(0xffffffffu, weight0, slot);
+    if ((valid_mask0 >> slot) & 1u) {
+      float values[4];
+      unpack4<Element>(partial[slot * (kHeadDim / 4)], values);
+#pragma unroll
+      for (int d = 0; d < 4; ++d) acc[d] += weight * values[d];
+    }
+  }
+  for (int slot = 32; slot < K; ++slot) {
+    const float weight = __shfl_sync(0xffffffffu, weight1, slot - 32);
+    if ((valid_mask1 >> (slot - 32)) & 1u) {
+      float values[4];
+      unpack4<Element>(partial[slot * (kHeadDim / 4)], values);
+#pragma unroll
+      for (int d = 0; d < 4; ++d) acc[d] += weight * values[d];
+    }
+  }
+  Half4 packed;
+  packed.low = ptx::pack2<Element>(acc[0], acc[1]);
+  packed.high = ptx::pack2<Element>(acc[2], acc[3]);
+  *reinterpret_cast<Half4*>(args.out.row(b, i, head) + lane * 4) = packed;
+  if (lane == 0) {
+    args.lse[(b * args.num_heads + head) * args.seqlen + i] =
+        parts.y > 0.f ? parts.x + logf(parts.y) : kNegInf;
+  }
+
+  // ---- proxy LSE, once per proxy head -------------------------------------------------------
+  if (head % args.heads_per_proxy == 0) {
+    const float* proxy_row = args.partial_proxy_lse + (local_row * args.num_proxy_heads + proxy_head) * K;
+    const float2 proxy = warp_logsumexp_parts(valid0 ? proxy_row[lane] : kNegInf,
+                                              valid1 ? proxy_row[lane + 32] : kNegInf);
+    if (lane == 0) {
+      args.proxy_lse[(b * args.num_proxy_heads + proxy_head) * args.seqlen + i] =
+          proxy.y > 0.f ? proxy.x + logf(proxy.y) : kNegInf;
+    }
+  }
+}
+
+}  // namespace flashmsa::kernels::forward

@@ -1,0 +1,70 @@
+// Tile constants, shared-memory layout and workspace layout of the sparse forward (SPEC.md §2 and
+// the proxy LSE of §3). Plain C++ so src/api/workspace.cpp sizes the workspace from it.
+//
+// Comes before: schedule/config.h (tiles, query chunks). Used by: forward/kernel.cuh (tiles),
+// forward/combine.cuh (merge of the partials).
+//
+// A work tile is (b, KV head g, KV block c, proxy head p, ≤ ⌊128/M⌋ tokens that chose c): its
+// 128 gathered query rows (token-major, the M heads of a token adjacent) attend to the 128 keys of
+// block c. The tile writes, per (row, head, slot), a partial output normalised by its own sum and
+// the partial LSE; the combine merges the ≤ K partials of a (row, head) by their LSEs.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "kernels/schedule/config.h"
+
+namespace flashmsa::kernels::forward {
+
+constexpr int kHeadDim = 128;      // D; the only head dim built now
+constexpr int kTileRows = 128;     // gathered query rows per tile
+constexpr int kWarps = 4;          // each warp owns 32 rows (two m16 MMA tiles)
+constexpr int kThreads = kWarps * 32;
+constexpr int kRowsPerWarp = kTileRows / kWarps;
+constexpr int kKeyChunk = 64;      // keys per online-softmax step (two steps per block)
+// NOTES: 2 CTAs per SM hide one CTA's gathers behind the other's MMAs; the shared-memory budget
+// below keeps two resident for M ≥ 4 (≤ 32 proxy rows).
+constexpr int kMinBlocksPerSm = 2;
+
+// Proxy query rows of a tile, padded to whole m16 MMA tiles.
+inline int proxy_rows(const ProblemShape& shape) {
+  const int tokens = schedule::tokens_per_tile(shape);
+  return (tokens + 15) / 16 * 16;
+}
+
+// Dynamic shared memory of the tile kernel: Q, K and V (the proxy keys use V's buffer before V
+// arrives), the proxy queries, the tile's (row, slot) list and per-warp proxy softmax statistics.
+inline size_t tile_smem_bytes(const ProblemShape& shape) {
+  const size_t tile = size_t(kTileRows) * kHeadDim * 2;
+  const int prows = proxy_rows(shape);
+  return 3 * tile + size_t(prows) * kHeadDim * 2 + size_t(kTileRows) * 2 * 4 +
+         size_t(kWarps) * prows * 2 * 4;
+}
+
+// Byte offsets of the per-chunk partial buffers inside the forward workspace (reused by every
+// chunk). Rows are flattened (b · S + i) minus the chunk's first row.
+struct ForwardLayout {
+  int64_t chunk_rows = 0;
+  size_t partial_out = 0;        // 16-bit [chunk_rows, H, K, D]
+  size_t partial_lse = 0;        // fp32 [chunk_rows, H, K]
+  size_t partial_proxy_lse = 0;  // fp32 [chunk_rows, Hp, K]
+  size_t total = 0;
+};
+
+inline ForwardLayout make_forward_layout(const ProblemShape& shape) {
+  ForwardLayout layout;
+  layout.chunk_rows = schedule::chunk_rows(shape);
+  const size_t row_heads = size_t(layout.chunk_rows) * shape.num_heads * shape.top_k;
+  size_t offset = 0;
+  layout.partial_out = offset;
+  offset += schedule::align_up(row_heads * shape.head_dim * 2);
+  layout.partial_lse = offset;
+  offset += schedule::align_up(row_heads * 4);
+  layout.partial_proxy_lse = offset;
+  offset += schedule::align_up(size_t(layout.chunk_rows) * shape.num_proxy_heads * shape.top_k * 4);
+  layout.total = offset;
+  return layout;
+}
+
+}  // namespace flashmsa::kernels::forward
