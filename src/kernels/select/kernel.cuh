@@ -8,8 +8,9 @@
 //   producer   warpgroup 0, one thread: TMA loads of the query tile (256 rows) and of the key
 //              blocks c < c(rows) into a ring of stages.
 //   mainloop   warpgroups 1-2, 128 rows each: S = Q·Kᵀ for one key block on wgmma (two m64n128
-//              fragments, fp32 accumulators), ping-ponged so one warpgroup's epilogue runs under
-//              the other's matrix work.
+//              fragments, fp32 accumulators; Q held in registers for the whole tile, keys from
+//              shared memory), ping-ponged so one warpgroup's epilogue runs under the other's
+//              matrix work.
 //   epilogue   per key block: row maxima (the block score, times σp), then the streaming top-K.
 //              Per tile: block_idx rows written, local block first.
 //
@@ -17,12 +18,14 @@
 // are never computed; every other visible block c < c(i) is entirely visible (all its keys j < i);
 // and keys >= S lie only in the last block, which is local to every query that could see it.
 //
-// NOTES: the streaming top-K. Each row's K-1 best (score, block) pairs live in shared memory, sorted
-// by descending score, owned by one thread (the quad's four threads each own one of the four rows
-// their accumulator fragments share). Blocks arrive in ascending order, so a new block enters only
-// with a score strictly above the current (K-1)-th (kept in a register as the threshold): an equal
-// score keeps the earlier, smaller block, which is SPEC.md's tie rule. Insertion shifts the tail by
-// one; after the first K blocks most scores fall below the threshold and nothing moves.
+// NOTES: the streaming top-K. Each row's K-1 best (score, block) pairs live unsorted in shared
+// memory, owned by one thread (the quad's four threads each own one of the four rows their
+// accumulator fragments share), with the weakest entry's score in a register as the threshold.
+// Blocks arrive in ascending order, so a new block enters only with a score strictly above the
+// threshold (an equal score keeps the earlier, smaller block: SPEC.md's tie rule) and replaces the
+// weakest entry (lowest score, ties to the larger block); a rescan of the K-1 entries finds the
+// next weakest. After the first K blocks most scores fall below the threshold and nothing is
+// touched. The list is sorted once per tile, before the row is written.
 #pragma once
 
 #include <cuda.h>
@@ -91,8 +94,10 @@ __global__ void __launch_bounds__(kThreads, 1)
                   const __grid_constant__ CUtensorMap key_map, const KernelParams params) {
   using Storage = SharedStorage<Element, kMaxKeep, kStages>;
   extern __shared__ unsigned char smem_raw[];
+  // NOTES: aligned by pointer arithmetic on the __shared__ array (not through an integer), so the
+  // compiler keeps the shared address space and emits LDS/STS for the top-K lists.
   Storage& smem = *reinterpret_cast<Storage*>(
-      (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+      smem_raw + ((1024 - (ptx::smem_address(smem_raw) & 1023)) & 1023));
 
   constexpr uint32_t kQueryBytes = 2 * kTileRows * kHalfDim * sizeof(Element);
   constexpr uint32_t kKeyBytes = 2 * kBlockSize * kHalfDim * sizeof(Element);
@@ -152,12 +157,16 @@ __global__ void __launch_bounds__(kThreads, 1)
                         (quad_lane & 1) * 8;
   const int keep = params.top_k - 1;
   const float scale = params.scale;
+  float* list_score = &smem.list_score[0][column];     // this row's list, slot stride kTileRows
+  uint16_t* list_block = &smem.list_block[0][column];
+  for (int slot = keep; slot < kMaxKeep; ++slot) list_score[slot * kTileRows] = INFINITY;  // unused
 
   // Ping-pong: named barrier 1 + w is "warpgroup w may issue"; warpgroup 0 starts.
   constexpr uint32_t kPingPongThreads = 2 * 128;
   if (consumer == 1) ptx::named_barrier_arrive(1, kPingPongThreads);
 
   float accum[2][64];  // (m64 fragment, 64 values): rows consumer·128 + fragment·64 + ...
+  uint32_t query_fragment[2][8][4];  // (m64 fragment, k-step of 16 over Di, 4 registers of bf16x2)
   int load = 0;
   for (int round = 0, tile_iter = 0;; ++round, ++tile_iter) {
     const int index = scheduled_tile(round, blockIdx.x, gridDim.x, params.num_tiles);
@@ -167,10 +176,26 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int row_head = tile.first_proxy_head + owned_row / params.tokens_per_tile;
     const int row_block = row_token / kBlockSize;
     int count = 0;
+    int worst = 0;  // slot of the weakest entry once the list is full
     float threshold = keep > 0 ? -INFINITY : INFINITY;
 
+    // ---- mainloop prologue: this warpgroup's query rows into registers (wgmma A fragments) ----
     ptx::mbarrier_wait(&smem.query_full, tile_iter & 1);
-    if (tile.num_key_blocks == 0 && lane == 0) ptx::mbarrier_arrive(&smem.query_empty);
+#pragma unroll
+    for (int fragment = 0; fragment < 2; ++fragment) {
+      const int row = consumer * kRowsPerWarpgroup + fragment * 64 + warp * 16 + lane % 16;
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const uint32_t row_address = ptx::smem_address(smem.query[half] + row * kHalfDim);
+#pragma unroll
+        for (int k_step = 0; k_step < kHalfDim / 16; ++k_step) {
+          const int chunk = (2 * k_step + lane / 16) ^ (row % 8);  // the 128-byte swizzle
+          ptx::ldmatrix_x4(query_fragment[fragment][half * 4 + k_step], row_address + chunk * 16);
+        }
+      }
+    }
+    __syncwarp();
+    if (lane == 0) ptx::mbarrier_arrive(&smem.query_empty);  // the producer may load the next tile
 
     for (int block = 0; block < tile.num_key_blocks; ++block, ++load) {
       const int stage = load % kStages;
@@ -179,19 +204,15 @@ __global__ void __launch_bounds__(kThreads, 1)
       // ---- mainloop: S[128 rows, 128 keys] = Q·Kᵀ for this warpgroup's rows ----
       ptx::named_barrier_sync(1 + consumer, kPingPongThreads);
       ptx::wgmma_fence();
-      const uint64_t key_desc[2] = {ptx::make_sw128_kmajor_desc(smem.key[stage][0]),
-                                    ptx::make_sw128_kmajor_desc(smem.key[stage][1])};
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        const Element* query_half = smem.query[half] + consumer * kRowsPerWarpgroup * kHalfDim;
+        const uint64_t key_desc = ptx::make_sw128_kmajor_desc(smem.key[stage][half]);
 #pragma unroll
         for (int k_step = 0; k_step < kHalfDim / 16; ++k_step) {
 #pragma unroll
           for (int fragment = 0; fragment < 2; ++fragment) {
-            const uint64_t query_desc = ptx::advance_desc(
-                ptx::make_sw128_kmajor_desc(query_half + fragment * 64 * kHalfDim), k_step * 32);
-            ptx::Wgmma64x128x16<Element>::run(accum[fragment], query_desc,
-                                              ptx::advance_desc(key_desc[half], k_step * 32),
+            ptx::Wgmma64x128x16<Element>::run(accum[fragment], query_fragment[fragment][half * 4 + k_step],
+                                              ptx::advance_desc(key_desc, k_step * 32),
                                               (half | k_step) != 0);
           }
         }
@@ -202,10 +223,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       ptx::fence_accumulators(accum[0]);
       ptx::fence_accumulators(accum[1]);
       __syncwarp();
-      if (lane == 0) {
-        ptx::mbarrier_arrive(&smem.key_empty[stage]);
-        if (block == tile.num_key_blocks - 1) ptx::mbarrier_arrive(&smem.query_empty);
-      }
+      if (lane == 0) ptx::mbarrier_arrive(&smem.key_empty[stage]);
 
       // ---- epilogue: block maxima of the four rows of this quad, reduce-scattered ----
       float row_max[4];  // (fragment, upper/lower 8 rows)
@@ -239,27 +257,55 @@ __global__ void __launch_bounds__(kThreads, 1)
 
       // ---- epilogue: streaming top-K insertion (rare once the list is full) ----
       if (block < row_block && (count < keep || score > threshold)) {
-        int position = count < keep ? count : keep - 1;
-        while (position > 0 && score > smem.list_score[position - 1][column]) {
-          smem.list_score[position][column] = smem.list_score[position - 1][column];
-          smem.list_block[position][column] = smem.list_block[position - 1][column];
-          --position;
+        const int position = count < keep ? count++ : worst;
+        list_score[position * kTileRows] = score;
+        list_block[position * kTileRows] = static_cast<uint16_t>(block);
+        if (count == keep) {
+          // The new weakest entry: lowest score, ties to the larger (later) block. Branch-free over
+          // all kMaxKeep slots (unused ones hold +inf): a min tree, then the largest
+          // (block, slot) key among the entries at that minimum.
+          float slot_score[kMaxKeep];
+          int slot_key[kMaxKeep];
+#pragma unroll
+          for (int slot = 0; slot < kMaxKeep; ++slot) {
+            slot_score[slot] = list_score[slot * kTileRows];
+            slot_key[slot] = int(list_block[slot * kTileRows]) * 64 + slot;
+          }
+          threshold = slot_score[0];
+#pragma unroll
+          for (int slot = 1; slot < kMaxKeep; ++slot) threshold = fminf(threshold, slot_score[slot]);
+          int worst_key = -1;
+#pragma unroll
+          for (int slot = 0; slot < kMaxKeep; ++slot) {
+            worst_key = max(worst_key, slot_score[slot] == threshold ? slot_key[slot] : -1);
+          }
+          worst = worst_key & 63;
         }
-        smem.list_score[position][column] = score;
-        smem.list_block[position][column] = static_cast<uint16_t>(block);
-        count = min(count + 1, keep);
-        if (count == keep) threshold = smem.list_score[keep - 1][column];
       }
     }
 
-    // ---- epilogue: write the row, local block first, -1 in the empty slots ----
+    // ---- epilogue: sort the list (descending score, ties to the smaller block), write the row ----
+    for (int slot = 1; slot < count; ++slot) {
+      const float entry_score = list_score[slot * kTileRows];
+      const uint16_t entry_block = list_block[slot * kTileRows];
+      int position = slot;
+      for (; position > 0; --position) {
+        const float above_score = list_score[(position - 1) * kTileRows];
+        const uint16_t above_block = list_block[(position - 1) * kTileRows];
+        if (above_score > entry_score || (above_score == entry_score && above_block < entry_block)) break;
+        list_score[position * kTileRows] = above_score;
+        list_block[position * kTileRows] = above_block;
+      }
+      list_score[position * kTileRows] = entry_score;
+      list_block[position * kTileRows] = entry_block;
+    }
     if (row_token < params.seqlen) {
       int32_t* out = params.block_idx +
                      ((int64_t(tile.batch) * params.num_proxy_heads + row_head) * params.seqlen +
                       row_token) * params.top_k;
       out[0] = row_block;
       for (int slot = 1; slot < params.top_k; ++slot) {
-        out[slot] = slot - 1 < count ? int32_t(smem.list_block[slot - 1][column]) : -1;
+        out[slot] = slot - 1 < count ? int32_t(list_block[(slot - 1) * kTileRows]) : -1;
       }
     }
   }
