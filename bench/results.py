@@ -27,6 +27,26 @@ def test_counts(path):
     return suites
 
 
+def pytest_counts(path):
+    """Counts of a pytest JUnit XML report, or None when there is none."""
+    if not path:
+        return None
+    try:
+        import xml.etree.ElementTree as ElementTree
+        root = ElementTree.parse(path).getroot()
+    except (OSError, ElementTree.ParseError):
+        return None
+    counts = {"passed": 0, "failed": 0, "skipped": 0}
+    for case in root.iter("testcase"):
+        if case.find("failure") is not None or case.find("error") is not None:
+            counts["failed"] += 1
+        elif case.find("skipped") is not None:
+            counts["skipped"] += 1
+        else:
+            counts["passed"] += 1
+    return counts
+
+
 def summary_table(rows):
     lines = ["system            stage        config       pattern      S        ms       TFLOP/s"]
     for row in rows:
@@ -41,6 +61,7 @@ def main():
     parser.add_argument("--commit", required=True)
     parser.add_argument("--gpu", required=True)
     parser.add_argument("--tests", required=True)
+    parser.add_argument("--python-tests", default="")
     parser.add_argument("--rows", nargs="*", default=[])
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
@@ -60,12 +81,16 @@ def main():
         "suites": test_counts(args.tests),
         "rows": rows,
     }
+    python_counts = pytest_counts(args.python_tests)
+    if python_counts is not None:
+        result["tests"]["pytest_tests_python"] = python_counts
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
         f.write("\n")
-    total = result["tests"]["flashmsa_gpu_tests"]
     print(summary_table(rows))
-    print("GPU tests: %(passed)d passed, %(failed)d failed, %(skipped)d skipped" % total)
+    for suite, counts in result["tests"].items():
+        print("%s: %d passed, %d failed, %d skipped" % (suite, counts["passed"], counts["failed"],
+                                                        counts["skipped"]))
 
 
 def _total(suites):

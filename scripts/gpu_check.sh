@@ -48,9 +48,6 @@ if [[ "${ANCHORS:-1}" != "0" ]]; then
   [[ -f "$raw/anchor_rows.json" ]] && anchor_rows=("$raw/anchor_rows.json")
 fi
 
-python3 "$root/bench/results.py" --commit "$commit" --gpu "$gpu" \
-  --tests "$raw/gpu_tests.json" --rows "$raw/flashmsa_rows.json" "${anchor_rows[@]}" \
-  --out "$results_dir/h200.json"
 # ---- PyTorch tests (tests/python) on the GPU, with a carried or locally built library -------------
 # libflashmsa_torch.so comes from scripts/setup_torch.sh (build-torch/, or FLASHMSA_TORCH_LIBRARY);
 # it links only libtorch, so a copy built elsewhere against torch 2.11 loads into this python3.
@@ -70,4 +67,8 @@ if [[ "${PYTORCH_TESTS:-1}" != "0" ]]; then
     python_rc=${PIPESTATUS[0]}
   fi
 fi
+
+python3 "$root/bench/results.py" --commit "$commit" --gpu "$gpu" \
+  --tests "$raw/gpu_tests.json" --python-tests "$raw/python_tests.xml" \
+  --rows "$raw/flashmsa_rows.json" "${anchor_rows[@]}" --out "$results_dir/h200.json"
 exit $(( tests_rc != 0 ? tests_rc : python_rc ))
