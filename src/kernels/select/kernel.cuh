@@ -26,6 +26,16 @@
 // weakest entry (lowest score, ties to the larger block); a rescan of the K-1 entries finds the
 // next weakest. After the first K blocks most scores fall below the threshold and nothing is
 // touched. The list is sorted once per tile, before the row is written.
+// Rare per row is not rare per warp: a warp holds 32 rows, so for c < ~30·K some row inserts at
+// almost every key block and the warp pays the insertion path. A sorted list with a shifting
+// insert (and a serial rescan) cost 7 of 18 ms at 128K; the unsorted list with a branch-free rescan
+// (independent LDS, min tree) brought the kernel to 12.6 ms, near the 11.1 ms of the same kernel
+// with no top-K at all (docs/design.md "Select kernel").
+//
+// NOTES: Q lives in registers (wgmma with A from registers, 64 registers per thread, loaded once
+// per tile with ldmatrix), so each key block reads only the key tile from shared memory, and the
+// query buffer is released at the start of a tile: the producer loads the next tile's queries
+// under the current one.
 #pragma once
 
 #include <cuda.h>
@@ -162,6 +172,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int slot = keep; slot < kMaxKeep; ++slot) list_score[slot * kTileRows] = INFINITY;  // unused
 
   // Ping-pong: named barrier 1 + w is "warpgroup w may issue"; warpgroup 0 starts.
+  // NOTES: measured at 128K: 12.64 ms with, 12.72 ms without (within run-to-run spread); kept
+  // because it fixes the issue order that lets one epilogue hide under the other's wgmma.
   constexpr uint32_t kPingPongThreads = 2 * 128;
   if (consumer == 1) ptx::named_barrier_arrive(1, kPingPongThreads);
 
