@@ -19,6 +19,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <ostream>
 #include <cstdint>
 #include <random>
 #include <string>
@@ -51,6 +52,9 @@ std::string case_name(const SelectCase& c) {
          std::to_string(c.top_k) + "_" + (c.dtype == DType::kBF16 ? "bf16" : "fp16") + "_" + layout +
          (c.repeated_blocks ? "_ties" : "");
 }
+
+// gtest prints a parameter with PrintTo; without it ctest shows the struct's bytes.
+void PrintTo(const SelectCase& c, std::ostream* os) { *os << case_name(c); }
 
 std::vector<SelectCase> select_cases() {
   std::vector<SelectCase> cases;
