@@ -72,8 +72,7 @@ Status forward(const ForwardParams& params, cudaStream_t stream) {
 Status backward(const BackwardParams& params, cudaStream_t stream) {
   if (Status status = validate(params); !status.ok()) return status;
   if (Status status = check_device(); !status.ok()) return status;
-  (void)stream;
-  return not_built("backward");
+  return kernels::launch_backward(params, stream);
 }
 
 }  // namespace flashmsa

@@ -2,6 +2,8 @@
 // from the device. Each size is the upper bound documented in docs/design.md for its stage.
 #include "flashmsa/api.h"
 
+#include "kernels/backward/config.h"
+
 #include "kernels/forward/config.h"
 #include "kernels/schedule/config.h"
 
@@ -20,11 +22,11 @@ size_t forward_workspace_size(const ProblemShape& shape, Mode mode) {
   return kernels::forward::make_forward_layout(shape).total;
 }
 
+// The backward's reverse index, Δ and fp32 accumulators (src/kernels/backward/config.h). Warmup
+// mode has no backward kernel yet and needs nothing.
 size_t backward_workspace_size(const ProblemShape& shape, Mode mode, bool deterministic) {
-  (void)shape;
-  (void)mode;
-  (void)deterministic;
-  return 0;
+  if (mode != Mode::kSparse) return 0;
+  return kernels::backward::workspace_layout(shape, deterministic).total;
 }
 
 }  // namespace flashmsa

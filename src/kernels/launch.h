@@ -17,4 +17,7 @@ Status launch_schedule(const ScheduleParams& params, cudaStream_t stream);
 // Sparse-mode forward over the tiles of a schedule built for the same shape and block_idx.
 Status launch_forward(const ForwardParams& params, cudaStream_t stream);
 
+// Sparse backward (src/kernels/backward): kUnsupported for warmup mode and for H/Hp > 16.
+Status launch_backward(const BackwardParams& params, cudaStream_t stream);
+
 }  // namespace flashmsa::kernels

@@ -1,0 +1,145 @@
+// Tile constants, shared-memory layout and workspace layout of the backward (SPEC.md §3-§4).
+// kernel.cuh includes this file; docs/design.md "Backward" explains the choices.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "flashmsa/params.h"
+
+namespace flashmsa::kernels::backward {
+
+constexpr int kThreads = 256;  // 8 warps
+constexpr int kWarps = kThreads / 32;
+constexpr int kHeadDim = 128;  // D = Di
+constexpr int kKeys = kBlockSize;
+
+// A tile is 64 gathered main rows: 4 slabs of 16 rows (one mma.m16 row block each). A slab holds
+// whole group rows (one (b, p, i) = M consecutive heads), so the teacher mean over the M heads of a
+// group row never crosses a slab: ⌊16/M⌋ group rows per slab, capped at 8 so that a tile carries at
+// most 32 group rows (the proxy stage below).
+constexpr int kTileRows = 64;
+constexpr int kSlabRows = 16;
+constexpr int kSlabs = kTileRows / kSlabRows;
+constexpr int kMaxGroupRowsPerSlab = 8;
+constexpr int kMaxTileGroupRows = kSlabs * kMaxGroupRowsPerSlab;
+constexpr int kMaxHeadsPerProxy = kSlabRows;  // M ≤ 16
+
+constexpr int group_rows_per_slab(int heads_per_proxy) {
+  return kSlabRows / heads_per_proxy < kMaxGroupRowsPerSlab ? kSlabRows / heads_per_proxy
+                                                            : kMaxGroupRowsPerSlab;
+}
+constexpr int group_rows_per_tile(int heads_per_proxy) {
+  return kSlabs * group_rows_per_slab(heads_per_proxy);
+}
+
+// The KL gradient to k_proxy, Σ_i g_ij q_proxy_i, is staged: the (π - t) rows and the q_proxy rows
+// of up to 32 group rows (several tiles of one proxy head) are kept and multiplied once.
+constexpr int kStageRows = 32;
+
+// Non-deterministic mode splits a KV block's rows into work items of at most this many tiles, so
+// hot blocks spread over many CTAs (their dK/dV partials meet through fp32 reduce-adds). The item
+// flush (2 × 64 KB of reduce-adds) costs ≈ 6% of the gathered bytes of 32 tiles.
+constexpr int kTilesPerItem = 32;
+
+// The reverse index is built from per-chunk counts: a chunk is this many consecutive query rows.
+constexpr int kRowsPerChunk = 512;
+
+// fp32 copy of P for the teacher sum, rows padded against bank conflicts.
+constexpr int kProbStride = kKeys + 8;
+
+// Entries of the reverse index: token << kSlotBits | slot.
+constexpr int kSlotBits = 6;
+
+struct SharedStorage {
+  // 16-bit tiles, [rows][128] each, 16-byte chunks XOR-swizzled by row (see swizzle()).
+  uint16_t key[kKeys * kHeadDim];               // K of the block            (128 keys, D)
+  uint16_t value[kKeys * kHeadDim];             // V of the block            (128 keys, D)
+  uint16_t proxy_key[kKeys * kHeadDim];         // k_proxy of the block      (128 keys, Di)
+  uint16_t query[kTileRows * kHeadDim];         // gathered Q                (64 rows, D)
+  uint16_t dout[kTileRows * kHeadDim];          // gathered dO               (64 rows, D)
+  uint16_t prob[kTileRows * kKeys];             // P in the input dtype      (64 rows, 128 keys)
+  uint16_t dscore[kTileRows * kKeys];           // dS in the input dtype     (64 rows, 128 keys)
+  uint16_t proxy_query[kStageRows * kHeadDim];  // staged q_proxy rows       (32, Di)
+  uint16_t proxy_grad[kStageRows * kKeys];      // staged π - t              (32, 128 keys)
+  float prob32[kTileRows * kProbStride];        // P in fp32 for the teacher (64 rows, 128 keys)
+  float row_lse[kTileRows];                     // LSE · log2(e) per tile row
+  float row_delta[kTileRows];                   // Δ per tile row
+  int row_token[kTileRows];                     // query token, -1 for a padding row
+  int row_head[kTileRows];                      // main head
+  int group_token[kMaxTileGroupRows];           // per group row of the tile; -1 padding
+  int group_slot[kMaxTileGroupRows];
+  float group_proxy_lse[kMaxTileGroupRows];
+  float kl_part[kMaxTileGroupRows][kWarps];     // per (group row, warp) KL partial sums
+  int item;                                     // the work item this CTA runs next
+};
+
+constexpr size_t kSmemBytes = sizeof(SharedStorage) + 128;  // + alignment slack
+static_assert(kSmemBytes <= 227 * 1024, "backward shared memory over the sm_90 limit");
+
+// ---------------------------------------------------------------------------------------------
+// Workspace: byte offsets of every buffer, from shapes alone (backward_workspace_size() returns
+// `total`). Plain C++ so src/api/workspace.cpp can include it.
+// ---------------------------------------------------------------------------------------------
+constexpr int kKlSumBlocks = 256;  // first pass of the ordered KL sum
+
+struct WorkspaceLayout {
+  size_t chunk_counts = 0;  // int32 [b, hp, chunk, block]: selections per chunk, then their scan
+  size_t list_offset = 0;   // int64 [b, hp, block]: first entry of the (b, p, block) list
+  size_t list_count = 0;    // int32 [b, hp, block]: entries in the list
+  size_t item_start = 0;    // int32 [b·hkv·block + 1]: first work item of each (b, g, block) unit
+  size_t item_counter = 0;  // int32 [1]: the CTAs' shared work-item counter
+  size_t entries = 0;       // int32 [b, hp, s, k] upper bound: token << 6 | slot, sorted by token
+  size_t delta = 0;         // fp32 [b, h, s]: Δ = ⟨O, dO⟩
+  size_t dq_accum = 0;      // fp32 [b, s, h, d]; deterministic: [b, hp, s, k, m, d] per slot
+  size_t dq_proxy_accum = 0;  // fp32 [b, s, hp, di]; deterministic: [b, hp, s, k, di] per slot
+  size_t dk_accum = 0;      // fp32 [b, s, hkv, d]
+  size_t dv_accum = 0;      // fp32 [b, s, hkv, d]
+  size_t dk_proxy_accum = 0;  // fp32 [b, s, hp, di]: per proxy head, summed over R at the end
+  size_t kl_partial = 0;    // fp32 [b, hp, s, k]: Σ_{j in block} t (log t - log π) per slot
+  size_t kl_sums = 0;       // fp32 [kKlSumBlocks]
+  size_t total = 0;
+};
+
+inline WorkspaceLayout workspace_layout(const ProblemShape& shape, bool deterministic) {
+  const size_t batch = size_t(shape.batch);
+  const size_t seqlen = size_t(shape.seqlen);
+  const size_t blocks = size_t(shape.num_blocks());
+  const size_t chunks = (seqlen + kRowsPerChunk - 1) / kRowsPerChunk;
+  const size_t proxy_rows = batch * size_t(shape.num_proxy_heads) * seqlen;  // (b, p, i)
+  const size_t slots = proxy_rows * size_t(shape.top_k);
+  const size_t dim = size_t(shape.head_dim);
+  const size_t proxy_dim = size_t(shape.proxy_head_dim);
+  const size_t tokens = batch * seqlen;
+
+  WorkspaceLayout layout;
+  size_t at = 0;
+  auto take = [&at](size_t bytes) {
+    const size_t offset = at;
+    at += (bytes + 255) / 256 * 256;
+    return offset;
+  };
+  layout.chunk_counts = take(4 * batch * size_t(shape.num_proxy_heads) * chunks * blocks);
+  layout.list_offset = take(8 * batch * size_t(shape.num_proxy_heads) * blocks);
+  layout.list_count = take(4 * batch * size_t(shape.num_proxy_heads) * blocks);
+  layout.item_start = take(4 * (batch * size_t(shape.num_kv_heads) * blocks + 1));
+  layout.item_counter = take(4);
+  layout.entries = take(4 * slots);
+  layout.delta = take(4 * tokens * size_t(shape.num_heads));
+  if (deterministic) {
+    layout.dq_accum = take(4 * slots * size_t(shape.heads_per_proxy()) * dim);
+    layout.dq_proxy_accum = take(4 * slots * proxy_dim);
+  } else {
+    layout.dq_accum = take(4 * tokens * size_t(shape.num_heads) * dim);
+    layout.dq_proxy_accum = take(4 * tokens * size_t(shape.num_proxy_heads) * proxy_dim);
+  }
+  layout.dk_accum = take(4 * tokens * size_t(shape.num_kv_heads) * dim);
+  layout.dv_accum = take(4 * tokens * size_t(shape.num_kv_heads) * dim);
+  layout.dk_proxy_accum = take(4 * tokens * size_t(shape.num_proxy_heads) * proxy_dim);
+  layout.kl_partial = take(4 * slots);
+  layout.kl_sums = take(4 * kKlSumBlocks);
+  layout.total = at;
+  return layout;
+}
+
+}  // namespace flashmsa::kernels::backward

@@ -1,0 +1,491 @@
+// GPU tests of the sparse backward (SPEC.md §3-§4): dq, dk, dv, dq_proxy, dk_proxy and the KL value
+// against the fp64 reference with FA3's rule |kernel − fp64| ≤ 2·|reference in the input dtype −
+// fp64| + atol, on fresh random inputs, with every output poisoned before the call.
+//
+// The saved forward tensors (out, lse, proxy_lse) come from the fp64 reference forward, rounded to
+// their storage formats: the backward's contract needs only correct saved tensors.
+// atol: 1e-4 of the largest |fp64| entry of each tensor (the dtype bound dominates); the KL value
+// 1e-6 relative. The reference runs on all host cores, split by query rows and key blocks.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <future>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/patterns.h"
+#include "gpu/gpu_test.h"
+
+namespace flashmsa {
+namespace {
+
+using patterns::Pattern;
+using reference::Precision;
+using testing::DeviceBuffer;
+
+struct BackwardCase {
+  std::string name;
+  int64_t batch;
+  int64_t seqlen;
+  int num_heads;
+  int num_kv_heads;
+  int num_proxy_heads;
+  int num_proxy_kv_heads;
+  int top_k;
+  DType dtype = DType::kBF16;
+  Pattern pattern = Pattern::kRandom;
+  bool bhsd = false;           // inputs and gradients in the [b, h, s, d] layout
+  bool with_kl_grad = true;    // kl_grad non-null (else dq_proxy, dk_proxy must be zero)
+  bool with_kl_value = true;   // fwd.kl non-null
+  int sample = 0;              // 0: every row and block; else rows/blocks checked per batch
+};
+
+ProblemShape shape_of(const BackwardCase& c) {
+  ProblemShape shape;
+  shape.batch = c.batch;
+  shape.seqlen = c.seqlen;
+  shape.num_heads = c.num_heads;
+  shape.num_kv_heads = c.num_kv_heads;
+  shape.num_proxy_heads = c.num_proxy_heads;
+  shape.num_proxy_kv_heads = c.num_proxy_kv_heads;
+  shape.head_dim = 128;
+  shape.proxy_head_dim = 128;
+  shape.top_k = c.top_k;
+  return shape;
+}
+
+// Runs `task(part, parts)` for part = 0 … parts−1 on host threads.
+void parallel_for(int parts, const std::function<void(int, int)>& task) {
+  std::vector<std::future<void>> futures;
+  for (int part = 0; part < parts; ++part) futures.push_back(std::async(std::launch::async, task, part, parts));
+  for (auto& future : futures) future.get();
+}
+
+int host_threads() { return std::max(2u, std::min(16u, std::thread::hardware_concurrency())); }
+
+// Copies the non-NaN entries of `part` into `whole`.
+void merge(std::vector<double>& whole, const std::vector<double>& part) {
+  if (whole.empty()) whole.assign(part.size(), std::nan(""));
+  for (size_t e = 0; e < part.size(); ++e) {
+    if (!std::isnan(part[e])) whole[e] = part[e];
+  }
+}
+
+// The reference forward over all rows, split across threads.
+reference::ForwardOutputs parallel_forward(const reference::Inputs& in, const std::vector<int32_t>& block_idx,
+                                           Precision precision) {
+  const ProblemShape& s = in.shape;
+  const int parts = host_threads();
+  std::vector<reference::ForwardOutputs> outputs(parts);
+  parallel_for(parts, [&](int part, int count) {
+    reference::QueryRows rows;
+    for (int64_t b = 0; b < s.batch; ++b) {
+      for (int64_t i = part; i < s.seqlen; i += count) rows.push_back({b, i});
+    }
+    if (!rows.empty()) outputs[part] = reference::forward(in, block_idx, Mode::kSparse, precision, rows);
+  });
+  reference::ForwardOutputs all;
+  for (const auto& out : outputs) {
+    merge(all.out, out.out);
+    merge(all.lse, out.lse);
+    merge(all.proxy_lse, out.proxy_lse);
+    merge(all.kl_rows, out.kl_rows);
+  }
+  double sum = 0.0;
+  for (double kl_row : all.kl_rows) sum += kl_row;
+  all.kl = sum / double(all.kl_rows.size());
+  return all;
+}
+
+// The reference backward on `rows` and `blocks` (never empty here), split across threads.
+reference::Gradients parallel_backward(const reference::Inputs& in, const std::vector<int32_t>& block_idx,
+                                       const std::vector<double>& dout, double kl_grad, Precision precision,
+                                       const reference::QueryRows& rows, const reference::KeyBlocks& blocks) {
+  const int parts = std::min<int>(host_threads(), int(std::max(rows.size(), blocks.size())));
+  std::vector<reference::Gradients> grads(parts);
+  parallel_for(parts, [&](int part, int count) {
+    reference::QueryRows my_rows;
+    reference::KeyBlocks my_blocks;
+    for (size_t e = part; e < rows.size(); e += count) my_rows.push_back(rows[e]);
+    for (size_t e = part; e < blocks.size(); e += count) my_blocks.push_back(blocks[e]);
+    // An empty subset means "all" to the reference: give it one item of the other side's list.
+    if (my_rows.empty()) my_rows.push_back(rows.front());
+    if (my_blocks.empty()) my_blocks.push_back(blocks.back());
+    grads[part] = reference::backward(in, block_idx, dout, kl_grad, Mode::kSparse, precision, my_rows, my_blocks);
+  });
+  reference::Gradients all;
+  for (const auto& g : grads) {
+    merge(all.dq, g.dq);
+    merge(all.dk, g.dk);
+    merge(all.dv, g.dv);
+    merge(all.dq_proxy, g.dq_proxy);
+    merge(all.dk_proxy, g.dk_proxy);
+  }
+  return all;
+}
+
+// Rows / blocks to check: all, or per batch the first, last and `sample` random ones.
+void checked_subsets(const BackwardCase& c, const ProblemShape& s, uint64_t seed, reference::QueryRows* rows,
+                     reference::KeyBlocks* blocks) {
+  std::mt19937_64 rng(seed);
+  for (int64_t b = 0; b < s.batch; ++b) {
+    if (c.sample == 0) {
+      for (int64_t i = 0; i < s.seqlen; ++i) rows->push_back({b, i});
+      for (int64_t block = 0; block < s.num_blocks(); ++block) blocks->push_back({b, block});
+      continue;
+    }
+    std::vector<int64_t> picked_rows = {0, 1, s.seqlen - 1};
+    for (int e = 0; e < c.sample; ++e) picked_rows.push_back(int64_t(rng() % uint64_t(s.seqlen)));
+    std::vector<int64_t> picked_blocks = {0, s.num_blocks() - 1};
+    for (int e = 0; e < c.sample / 4 + 1; ++e) picked_blocks.push_back(int64_t(rng() % uint64_t(s.num_blocks())));
+    std::sort(picked_rows.begin(), picked_rows.end());
+    picked_rows.erase(std::unique(picked_rows.begin(), picked_rows.end()), picked_rows.end());
+    std::sort(picked_blocks.begin(), picked_blocks.end());
+    picked_blocks.erase(std::unique(picked_blocks.begin(), picked_blocks.end()), picked_blocks.end());
+    for (int64_t i : picked_rows) rows->push_back({b, i});
+    for (int64_t block : picked_blocks) blocks->push_back({b, block});
+  }
+}
+
+std::vector<double> random_dout(const ProblemShape& s, uint64_t seed, DType dtype) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<double> normal(0.0, 1.0);
+  std::vector<double> dout(size_t(s.batch * s.seqlen * s.num_heads * s.head_dim));
+  for (double& x : dout) x = testing::from_half_bits(testing::to_half_bits(normal(rng), dtype), dtype);
+  return dout;
+}
+
+// A [b, s, heads, dim] tensor on the device in the case's layout.
+struct DeviceTensor {
+  DeviceBuffer<uint16_t> buffer;
+  TensorRef ref;
+};
+
+int64_t offset_of(const ProblemShape& s, bool bhsd, int64_t b, int64_t i, int h, int heads, int dim) {
+  return bhsd ? ((b * heads + h) * s.seqlen + i) * dim : ((b * s.seqlen + i) * heads + h) * dim;
+}
+
+DeviceTensor upload_tensor(const std::vector<double>& host, const ProblemShape& s, int heads, int dim, DType dtype,
+                           bool bhsd) {
+  std::vector<uint16_t> bits(host.size());
+  for (int64_t b = 0; b < s.batch; ++b) {
+    for (int64_t i = 0; i < s.seqlen; ++i) {
+      for (int h = 0; h < heads; ++h) {
+        const int64_t from = reference::offset_bshd(s, b, i, h, heads, dim);
+        const int64_t to = offset_of(s, bhsd, b, i, h, heads, dim);
+        for (int d = 0; d < dim; ++d) bits[to + d] = testing::to_half_bits(host[from + d], dtype);
+      }
+    }
+  }
+  DeviceTensor tensor{DeviceBuffer<uint16_t>(bits.size()), {}};
+  tensor.buffer.upload(bits);
+  tensor.ref = bhsd ? cases::bhsd(tensor.buffer.get(), s, heads, dim) : cases::bshd(tensor.buffer.get(), s, heads, dim);
+  return tensor;
+}
+
+DeviceTensor output_tensor(const ProblemShape& s, int heads, int dim, bool bhsd) {
+  DeviceTensor tensor{DeviceBuffer<uint16_t>(size_t(s.batch * s.seqlen * heads * dim)), {}};
+  tensor.buffer.poison();
+  tensor.ref = bhsd ? cases::bhsd(tensor.buffer.get(), s, heads, dim) : cases::bshd(tensor.buffer.get(), s, heads, dim);
+  return tensor;
+}
+
+std::vector<double> download_tensor(const DeviceTensor& tensor, const ProblemShape& s, int heads, int dim,
+                                    DType dtype, bool bhsd) {
+  const std::vector<uint16_t> bits = tensor.buffer.download();
+  std::vector<double> host(bits.size());
+  for (int64_t b = 0; b < s.batch; ++b) {
+    for (int64_t i = 0; i < s.seqlen; ++i) {
+      for (int h = 0; h < heads; ++h) {
+        const int64_t to = reference::offset_bshd(s, b, i, h, heads, dim);
+        const int64_t from = offset_of(s, bhsd, b, i, h, heads, dim);
+        for (int d = 0; d < dim; ++d) host[to + d] = testing::from_half_bits(bits[from + d], dtype);
+      }
+    }
+  }
+  return host;
+}
+
+DeviceBuffer<float> upload_floats(const std::vector<double>& host) {
+  std::vector<float> values(host.begin(), host.end());
+  DeviceBuffer<float> buffer(values.size());
+  buffer.upload(values);
+  return buffer;
+}
+
+// The host problem of one case: inputs, selection, upstream gradients and saved forward tensors.
+struct HostProblem {
+  reference::Inputs in;
+  std::vector<int32_t> block_idx;
+  std::vector<double> dout;
+  double kl_grad = 0.0;
+  reference::ForwardOutputs saved;  // fp64 forward: out, lse, proxy_lse, kl
+};
+
+HostProblem make_host_problem(const BackwardCase& c, uint64_t seed) {
+  HostProblem host;
+  const ProblemShape s = shape_of(c);
+  host.in = reference::random_inputs(s, seed, c.dtype);
+  host.block_idx = patterns::make_selection(s, c.pattern, seed ^ 0x5eed);
+  host.dout = random_dout(s, seed ^ 0xd0, c.dtype);
+  host.kl_grad = c.with_kl_grad ? 0.75 + double(seed % 7) * 0.125 : 0.0;
+  host.saved = parallel_forward(host.in, host.block_idx, Precision::kFP64);
+  return host;
+}
+
+// Device buffers of one backward call; outputs poisoned.
+struct DeviceProblem {
+  DeviceTensor q, k, v, q_proxy, k_proxy, out, dout;
+  DeviceTensor dq, dk, dv, dq_proxy, dk_proxy;
+  DeviceBuffer<int32_t> block_idx;
+  DeviceBuffer<float> lse, proxy_lse, kl, kl_grad;
+  DeviceBuffer<char> schedule, workspace;
+  BackwardParams params;
+};
+
+void make_device_problem(const BackwardCase& c, const HostProblem& host, bool deterministic, DeviceProblem& d) {
+  const ProblemShape s = shape_of(c);
+  const DType t = c.dtype;
+  d.q = upload_tensor(host.in.q, s, s.num_heads, 128, t, c.bhsd);
+  d.k = upload_tensor(host.in.k, s, s.num_kv_heads, 128, t, c.bhsd);
+  d.v = upload_tensor(host.in.v, s, s.num_kv_heads, 128, t, c.bhsd);
+  d.q_proxy = upload_tensor(host.in.q_proxy, s, s.num_proxy_heads, 128, t, c.bhsd);
+  d.k_proxy = upload_tensor(host.in.k_proxy, s, s.num_proxy_kv_heads, 128, t, c.bhsd);
+  d.out = upload_tensor(host.saved.out, s, s.num_heads, 128, t, c.bhsd);
+  d.dout = upload_tensor(host.dout, s, s.num_heads, 128, t, c.bhsd);
+  d.dq = output_tensor(s, s.num_heads, 128, c.bhsd);
+  d.dk = output_tensor(s, s.num_kv_heads, 128, c.bhsd);
+  d.dv = output_tensor(s, s.num_kv_heads, 128, c.bhsd);
+  d.dq_proxy = output_tensor(s, s.num_proxy_heads, 128, c.bhsd);
+  d.dk_proxy = output_tensor(s, s.num_proxy_kv_heads, 128, c.bhsd);
+  d.block_idx = DeviceBuffer<int32_t>(host.block_idx.size());
+  d.block_idx.upload(host.block_idx);
+  d.lse = upload_floats(host.saved.lse);
+  d.proxy_lse = upload_floats(host.saved.proxy_lse);
+  d.kl = DeviceBuffer<float>(1);
+  d.kl.poison();
+  d.kl_grad = upload_floats({host.kl_grad});
+  d.schedule = DeviceBuffer<char>(std::max<size_t>(256, schedule_workspace_size(s)));
+  d.workspace = DeviceBuffer<char>(std::max<size_t>(256, backward_workspace_size(s, Mode::kSparse, deterministic)));
+  d.workspace.poison();
+
+  BackwardParams& p = d.params;
+  p.fwd.shape = s;
+  p.fwd.dtype = t;
+  p.fwd.mode = Mode::kSparse;
+  p.fwd.q = d.q.ref;
+  p.fwd.k = d.k.ref;
+  p.fwd.v = d.v.ref;
+  p.fwd.q_proxy = d.q_proxy.ref;
+  p.fwd.k_proxy = d.k_proxy.ref;
+  p.fwd.block_idx = d.block_idx.get();
+  p.fwd.schedule = d.schedule.get();
+  p.fwd.out = d.out.ref;
+  p.fwd.lse = d.lse.get();
+  p.fwd.proxy_lse = d.proxy_lse.get();
+  p.fwd.kl = c.with_kl_value ? d.kl.get() : nullptr;
+  p.dout = d.dout.ref;
+  p.kl_grad = c.with_kl_grad ? d.kl_grad.get() : nullptr;
+  p.deterministic = deterministic;
+  p.dq = d.dq.ref;
+  p.dk = d.dk.ref;
+  p.dv = d.dv.ref;
+  p.dq_proxy = d.dq_proxy.ref;
+  p.dk_proxy = d.dk_proxy.ref;
+  p.workspace = d.workspace.get();
+}
+
+struct KernelGradients {
+  std::vector<double> dq, dk, dv, dq_proxy, dk_proxy;
+  double kl = 0.0;
+};
+
+KernelGradients download_gradients(const BackwardCase& c, const DeviceProblem& d) {
+  const ProblemShape s = shape_of(c);
+  KernelGradients g;
+  g.dq = download_tensor(d.dq, s, s.num_heads, 128, c.dtype, c.bhsd);
+  g.dk = download_tensor(d.dk, s, s.num_kv_heads, 128, c.dtype, c.bhsd);
+  g.dv = download_tensor(d.dv, s, s.num_kv_heads, 128, c.dtype, c.bhsd);
+  g.dq_proxy = download_tensor(d.dq_proxy, s, s.num_proxy_heads, 128, c.dtype, c.bhsd);
+  g.dk_proxy = download_tensor(d.dk_proxy, s, s.num_proxy_kv_heads, 128, c.dtype, c.bhsd);
+  g.kl = double(d.kl.download()[0]);
+  return g;
+}
+
+double max_abs(const std::vector<double>& values) {
+  double m = 0.0;
+  for (double x : values) {
+    if (!std::isnan(x)) m = std::max(m, std::fabs(x));
+  }
+  return m;
+}
+
+void expect_rule(const char* name, const std::vector<double>& kernel, const std::vector<double>& exact,
+                 const std::vector<double>& rounded) {
+  const testing::ErrorReport report = testing::fa3_rule(kernel, exact, rounded, 1e-4 * max_abs(exact) + 1e-12);
+  EXPECT_TRUE(report.ok) << report.describe(name);
+}
+
+void check_case(const BackwardCase& c, uint64_t seed) {
+  const ProblemShape s = shape_of(c);
+  const HostProblem host = make_host_problem(c, seed);
+  DeviceProblem d;
+  make_device_problem(c, host, /*deterministic=*/false, d);
+  const Status status = backward(d.params, nullptr);
+  ASSERT_TRUE(status.ok()) << status.message;
+  FLASHMSA_CUDA_CHECK(cudaDeviceSynchronize());
+  const KernelGradients g = download_gradients(c, d);
+
+  reference::QueryRows rows;
+  reference::KeyBlocks blocks;
+  checked_subsets(c, s, seed, &rows, &blocks);
+  const double kl_grad = c.with_kl_grad ? host.kl_grad : 0.0;
+  const Precision rounded_precision = reference::precision_of(c.dtype);
+  auto exact_future = std::async(std::launch::async, [&] {
+    return parallel_backward(host.in, host.block_idx, host.dout, kl_grad, Precision::kFP64, rows, blocks);
+  });
+  const reference::Gradients rounded =
+      parallel_backward(host.in, host.block_idx, host.dout, kl_grad, rounded_precision, rows, blocks);
+  const reference::Gradients exact = exact_future.get();
+
+  expect_rule("dq", g.dq, exact.dq, rounded.dq);
+  expect_rule("dk", g.dk, exact.dk, rounded.dk);
+  expect_rule("dv", g.dv, exact.dv, rounded.dv);
+  if (c.with_kl_grad) {
+    expect_rule("dq_proxy", g.dq_proxy, exact.dq_proxy, rounded.dq_proxy);
+    expect_rule("dk_proxy", g.dk_proxy, exact.dk_proxy, rounded.dk_proxy);
+  } else {
+    EXPECT_EQ(max_abs(g.dq_proxy), 0.0) << "dq_proxy must be zero without kl_grad";
+    EXPECT_EQ(max_abs(g.dk_proxy), 0.0) << "dk_proxy must be zero without kl_grad";
+    EXPECT_EQ(testing::fa3_rule(g.dq_proxy, g.dq_proxy, g.dq_proxy, 0.0).nan_count, 0);
+    EXPECT_EQ(testing::fa3_rule(g.dk_proxy, g.dk_proxy, g.dk_proxy, 0.0).nan_count, 0);
+  }
+  if (c.with_kl_value) {
+    const reference::ForwardOutputs rounded_forward = parallel_forward(host.in, host.block_idx, rounded_precision);
+    const testing::ErrorReport report =
+        testing::fa3_rule({g.kl}, {host.saved.kl}, {rounded_forward.kl}, 1e-6 * std::fabs(host.saved.kl) + 1e-9);
+    EXPECT_TRUE(report.ok) << report.describe("kl") << " (kernel " << g.kl << ", fp64 " << host.saved.kl << ")";
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Cases: named configurations scaled down, odd head maps, patterns, both dtypes, K edge cases.
+// ---------------------------------------------------------------------------------------------
+std::vector<BackwardCase> correctness_cases() {
+  std::vector<BackwardCase> list;
+  //            name                  B  S     H   Hkv Hp  Hpk K
+  list.push_back({"paper_like_bf16", 1, 384, 16, 1, 1, 1, 2});
+  list.push_back({"paper_like_fp16", 1, 300, 16, 1, 1, 1, 2, DType::kFP16});
+  list.push_back({"specialized_like", 1, 300, 16, 1, 4, 1, 2});
+  list.push_back({"seed_like_bhsd", 2, 256, 8, 2, 2, 1, 2, DType::kBF16, Pattern::kRandom, true});
+  list.push_back({"odd_h12_hkv4_hp12", 1, 300, 12, 4, 12, 4, 2});
+  list.push_back({"odd_h12_hkv2_hp4_m3", 1, 260, 12, 2, 4, 2, 2, DType::kFP16});
+  list.push_back({"hpk_split_group", 1, 270, 8, 2, 8, 4, 2});
+  list.push_back({"k1_local_only", 2, 333, 8, 2, 2, 1, 1});
+  list.push_back({"k_ge_nb_dense", 1, 350, 4, 1, 2, 1, 5});
+  list.push_back({"hot", 1, 520, 8, 1, 1, 1, 3, DType::kBF16, Pattern::kHot});
+  list.push_back({"tile_shared", 1, 400, 8, 2, 2, 1, 3, DType::kBF16, Pattern::kTileShared});
+  list.push_back({"early_rows_short", 1, 100, 8, 2, 4, 2, 4});
+  list.push_back({"no_kl_grad", 1, 256, 8, 2, 2, 1, 2, DType::kBF16, Pattern::kRandom, false, false});
+  list.push_back({"no_kl_at_all", 1, 256, 8, 2, 2, 1, 2, DType::kFP16, Pattern::kRandom, false, false, false});
+  BackwardCase sampled{"sampled_rows_2k", 1, 2048, 4, 1, 1, 1, 4};
+  sampled.sample = 6;
+  sampled.with_kl_value = false;
+  list.push_back(sampled);
+  return list;
+}
+
+class BackwardMatchesReference : public ::testing::TestWithParam<BackwardCase> {};
+
+TEST_P(BackwardMatchesReference, AllGradientsAndKl) {
+  FLASHMSA_REQUIRE_HOPPER();
+  const BackwardCase& c = GetParam();
+  check_case(c, std::hash<std::string>{}(c.name) ^ uint64_t(std::random_device{}()));
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, BackwardMatchesReference, ::testing::ValuesIn(correctness_cases()),
+                         [](const ::testing::TestParamInfo<BackwardCase>& info) { return info.param.name; });
+
+// ---------------------------------------------------------------------------------------------
+// Deterministic mode: reruns are bitwise equal, and the result passes the same reference check.
+// ---------------------------------------------------------------------------------------------
+std::vector<uint16_t> all_bits(const DeviceProblem& d) {
+  std::vector<uint16_t> bits;
+  for (const DeviceTensor* t : {&d.dq, &d.dk, &d.dv, &d.dq_proxy, &d.dk_proxy}) {
+    const std::vector<uint16_t> part = t->buffer.download();
+    bits.insert(bits.end(), part.begin(), part.end());
+  }
+  uint32_t kl_bits;
+  const float kl = d.kl.download()[0];
+  std::memcpy(&kl_bits, &kl, 4);
+  bits.push_back(uint16_t(kl_bits));
+  bits.push_back(uint16_t(kl_bits >> 16));
+  return bits;
+}
+
+void check_reruns_bitwise_equal(const BackwardCase& c, int reruns) {
+  const HostProblem host = make_host_problem(c, uint64_t(std::random_device{}()));
+  DeviceProblem d;
+  make_device_problem(c, host, /*deterministic=*/true, d);
+  ASSERT_TRUE(backward(d.params, nullptr).ok());
+  FLASHMSA_CUDA_CHECK(cudaDeviceSynchronize());
+  const std::vector<uint16_t> first = all_bits(d);
+  const KernelGradients g = download_gradients(c, d);
+  EXPECT_EQ(testing::fa3_rule(g.dq, g.dq, g.dq, 0.0).nan_count, 0);
+  for (int run = 0; run < reruns; ++run) {
+    for (DeviceTensor* t : {&d.dq, &d.dk, &d.dv, &d.dq_proxy, &d.dk_proxy}) t->buffer.poison();
+    ASSERT_TRUE(backward(d.params, nullptr).ok());
+    FLASHMSA_CUDA_CHECK(cudaDeviceSynchronize());
+    ASSERT_TRUE(all_bits(d) == first) << "rerun " << run << " differs";
+  }
+}
+
+TEST(BackwardDeterministic, TwentyRerunsBitwiseEqual) {
+  FLASHMSA_REQUIRE_HOPPER();
+  check_reruns_bitwise_equal({"det_hot", 1, 1100, 16, 1, 2, 1, 4, DType::kBF16, Pattern::kHot}, 20);
+}
+
+TEST(BackwardDeterministic, HundredRerunsBitwiseEqual) {
+  FLASHMSA_REQUIRE_HOPPER();
+  check_reruns_bitwise_equal({"det_random", 2, 700, 8, 2, 4, 2, 3, DType::kFP16}, 100);
+}
+
+TEST(BackwardDeterministic, MatchesReference) {
+  FLASHMSA_REQUIRE_HOPPER();
+  const BackwardCase c{"det_check", 1, 300, 8, 2, 4, 1, 2};
+  const ProblemShape s = shape_of(c);
+  const HostProblem host = make_host_problem(c, 7);
+  DeviceProblem d;
+  make_device_problem(c, host, /*deterministic=*/true, d);
+  ASSERT_TRUE(backward(d.params, nullptr).ok());
+  FLASHMSA_CUDA_CHECK(cudaDeviceSynchronize());
+  const KernelGradients g = download_gradients(c, d);
+  reference::QueryRows rows;
+  reference::KeyBlocks blocks;
+  checked_subsets(c, s, 7, &rows, &blocks);
+  const reference::Gradients exact =
+      parallel_backward(host.in, host.block_idx, host.dout, host.kl_grad, Precision::kFP64, rows, blocks);
+  const reference::Gradients rounded =
+      parallel_backward(host.in, host.block_idx, host.dout, host.kl_grad, Precision::kBF16, rows, blocks);
+  expect_rule("dq", g.dq, exact.dq, rounded.dq);
+  expect_rule("dk", g.dk, exact.dk, rounded.dk);
+  expect_rule("dv", g.dv, exact.dv, rounded.dv);
+  expect_rule("dq_proxy", g.dq_proxy, exact.dq_proxy, rounded.dq_proxy);
+  expect_rule("dk_proxy", g.dk_proxy, exact.dk_proxy, rounded.dk_proxy);
+}
+
+TEST(Backward, WarmupModeIsUnsupported) {
+  FLASHMSA_REQUIRE_HOPPER();
+  const BackwardCase c{"warmup", 1, 256, 4, 1, 1, 1, 2};
+  const HostProblem host = make_host_problem(c, 3);
+  DeviceProblem d;
+  make_device_problem(c, host, false, d);
+  d.params.fwd.mode = Mode::kWarmup;
+  EXPECT_EQ(backward(d.params, nullptr).code, StatusCode::kUnsupported);
+}
+
+}  // namespace
+}  // namespace flashmsa
