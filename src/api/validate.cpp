@@ -462,8 +462,8 @@ Status validate(const ForwardParams& params) {
   return check_supported(params.shape, params.dtype, "");
 }
 
-// NOTES: fwd.kl and fwd.workspace are not read by the backward (it has its own workspace), so they
-// are not checked here.
+// NOTES: the backward writes the KL value into fwd.kl (optional; docs/design.md "Backward"), so it
+// is checked as an output. fwd.workspace is not used by the backward (it has its own workspace).
 Status validate(const BackwardParams& params) {
   const ForwardParams& fwd = params.fwd;
   const ProblemShape& shape = fwd.shape;
@@ -473,9 +473,11 @@ Status validate(const BackwardParams& params) {
   const int64_t dim = shape.head_dim;
   const int64_t proxy_dim = shape.proxy_head_dim;
   const DType dtype = fwd.dtype;
-  Footprint dout, kl_grad, dq, dk, dv, dq_proxy, dk_proxy, workspace;
+  Footprint dout, kl, kl_grad, dq, dk, dv, dq_proxy, dk_proxy, workspace;
   FLASHMSA_RETURN_IF_ERROR(
       check_tensor(params.dout, "dout", shape, shape.num_heads, dim, dtype, Access::kRead, &dout));
+  FLASHMSA_RETURN_IF_ERROR(
+      check_array(fwd.kl, "fwd.kl", 4, kScalarAlignBytes, Presence::kOptional, &kl));
   FLASHMSA_RETURN_IF_ERROR(
       check_array(params.kl_grad, "kl_grad", 4, kScalarAlignBytes, Presence::kOptional, &kl_grad));
   FLASHMSA_RETURN_IF_ERROR(
@@ -493,7 +495,7 @@ Status validate(const BackwardParams& params) {
       params.workspace, "workspace", backward_workspace_size(shape, fwd.mode, params.deterministic),
       "backward_workspace_size", &workspace));
   FLASHMSA_RETURN_IF_ERROR(check_disjoint(
-      {&dq, &dk, &dv, &dq_proxy, &dk_proxy, &workspace},
+      {&dq, &dk, &dv, &dq_proxy, &dk_proxy, &kl, &workspace},
       {&views.q, &views.k, &views.v, &views.q_proxy, &views.k_proxy, &views.block_idx,
        &views.schedule, &views.out, &views.lse, &views.proxy_lse, &dout, &kl_grad}));
   return check_supported(shape, dtype, "fwd.");

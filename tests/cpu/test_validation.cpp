@@ -651,6 +651,13 @@ const std::vector<BadCase> kBadCases = {
     {"backward_fwd_head_dim_unsupported",
      on_backward([](BackwardParams& p) { p.fwd.shape.head_dim = 64; }), kUnsupported,
      "fwd.shape.head_dim", "supported combinations"},
+    {"backward_fwd_kl_misaligned",
+     on_backward([](BackwardParams& p) { p.fwd.kl = static_cast<float*>(offset_bytes(p.fwd.kl, 2)); }),
+     kInvalid, "fwd.kl", "aligned"},
+    {"backward_fwd_kl_inside_dout", on_backward([](BackwardParams& p) {
+       p.fwd.kl = static_cast<float*>(p.dout.ptr);
+     }),
+     kInvalid, "fwd.kl", "dout"},
 };
 
 void PrintTo(const BadCase& bad, std::ostream* os) { *os << bad.name; }
