@@ -14,26 +14,10 @@
 #include "bench.h"
 #include "common/cases.h"
 #include "flashmsa/api.h"
+#include "inputs.cuh"
 
 namespace flashmsa::bench {
 namespace {
-
-__device__ __forceinline__ uint64_t mix(uint64_t x) {
-  x ^= x >> 33;
-  x *= 0xff51afd7ed558ccdull;
-  x ^= x >> 33;
-  x *= 0xc4ceb9fe1a85ec53ull;
-  return x ^ (x >> 33);
-}
-
-__global__ void fill_gaussian(__nv_bfloat16* data, int64_t count, uint64_t seed) {
-  for (int64_t n = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; n < count; n += int64_t(gridDim.x) * blockDim.x) {
-    const uint64_t bits = mix(seed * 0x9e3779b97f4a7c15ull + n);
-    const float u1 = (float((bits >> 40) & 0xffffff) + 0.5f) / 16777216.f;
-    const float u2 = float(bits & 0xffffff) / 16777216.f;
-    data[n] = __float2bfloat16(sqrtf(-2.f * logf(u1)) * cospif(2.f * u2));
-  }
-}
 
 enum Pattern { kRandomPattern = 0, kHotPattern = 1, kTileSharedPattern = 2 };
 
@@ -51,13 +35,13 @@ __global__ void make_selection(int32_t* block_idx, int64_t rows, int64_t seqlen,
     for (int c = local - 1; filled < visible; --c) slots[filled++] = c;
   } else {
     const uint64_t key = pattern == kTileSharedPattern ? uint64_t(row - i + local) : uint64_t(row);
-    uint64_t state = mix(key + 12345);
+    uint64_t state = mix_bits(key + 12345);
     for (int filled = 1; filled < visible;) {
       int c;
       if (local + 1 <= top_k) {
         c = filled - 1;  // every earlier block is kept
       } else {
-        state = mix(state + 1);
+        state = mix_bits(state + 1);
         c = int(state % uint64_t(local));
       }
       bool seen = false;
@@ -66,22 +50,6 @@ __global__ void make_selection(int32_t* block_idx, int64_t rows, int64_t seqlen,
     }
   }
   for (int s = visible; s < top_k; ++s) slots[s] = -1;
-}
-
-double counted_flops(const ProblemShape& shape) {
-  double tokens = 0;
-  for (int64_t i = 0; i < shape.seqlen; ++i) {
-    const int64_t visible = std::min<int64_t>(shape.top_k, i / 128 + 1);
-    tokens += double((visible - 1) * 128 + i % 128 + 1);
-  }
-  return 4.0 * shape.head_dim * shape.num_heads * shape.batch * tokens;
-}
-
-testing::DeviceBuffer<__nv_bfloat16> gaussian(int64_t count, uint64_t seed) {
-  testing::DeviceBuffer<__nv_bfloat16> buffer(count);
-  fill_gaussian<<<1024, 256>>>(buffer.get(), count, seed);
-  FLASHMSA_CUDA_CHECK(cudaGetLastError());
-  return buffer;
 }
 
 }  // namespace
@@ -94,19 +62,19 @@ FLASHMSA_BENCH(forward, bench_forward) {
     if (config == nullptr) continue;
     for (int64_t seqlen : options.seqlens) {
       const ProblemShape shape = cases::make_shape(*config, 1, seqlen);
-      auto q = gaussian(seqlen * shape.num_heads * shape.head_dim, 1);
-      auto k = gaussian(seqlen * shape.num_kv_heads * shape.head_dim, 2);
-      auto v = gaussian(seqlen * shape.num_kv_heads * shape.head_dim, 3);
-      auto q_proxy = gaussian(seqlen * shape.num_proxy_heads * shape.proxy_head_dim, 4);
-      auto k_proxy = gaussian(seqlen * shape.num_proxy_kv_heads * shape.proxy_head_dim, 5);
-      testing::DeviceBuffer<__nv_bfloat16> out(seqlen * shape.num_heads * shape.head_dim);
+      auto q = gaussian_tensor(seqlen * shape.num_heads * shape.head_dim, 1, DType::kBF16);
+      auto k = gaussian_tensor(seqlen * shape.num_kv_heads * shape.head_dim, 2, DType::kBF16);
+      auto v = gaussian_tensor(seqlen * shape.num_kv_heads * shape.head_dim, 3, DType::kBF16);
+      auto q_proxy = gaussian_tensor(seqlen * shape.num_proxy_heads * shape.proxy_head_dim, 4, DType::kBF16);
+      auto k_proxy = gaussian_tensor(seqlen * shape.num_proxy_kv_heads * shape.proxy_head_dim, 5, DType::kBF16);
+      testing::DeviceBuffer<uint16_t> out(seqlen * shape.num_heads * shape.head_dim);
       testing::DeviceBuffer<float> lse(seqlen * shape.num_heads);
       testing::DeviceBuffer<float> proxy_lse(seqlen * shape.num_proxy_heads);
       const int64_t selection_rows = shape.num_proxy_heads * seqlen;
       testing::DeviceBuffer<int32_t> block_idx(selection_rows * shape.top_k);
       testing::DeviceBuffer<char> schedule_workspace(schedule_workspace_size(shape));
       testing::DeviceBuffer<char> forward_workspace(forward_workspace_size(shape, Mode::kSparse));
-      const double flops = counted_flops(shape);
+      const double flops = main_forward_flops(shape);
 
       for (const std::string& pattern : options.patterns) {
         const int pattern_id = pattern == "random" ? kRandomPattern

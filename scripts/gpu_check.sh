@@ -7,13 +7,15 @@
 # BIN_DIR holds prebuilt flashmsa_gpu_tests and flashmsa_bench (default: build/, built here if
 # missing). The commit measured is read from BIN_DIR/COMMIT when present (binaries built elsewhere),
 # else from git. Results go to $RESULTS_DIR (default bench/results) as h200.json plus raw logs.
-# Environment: SEQLENS (default 8192,32768,131072,524288), CONFIGS (default paper,specialized),
-# ANCHORS=0 to skip the torch anchors.
+# Environment: SEQLENS (default 8192,32768,131072), CONFIGS (default paper,specialized),
+# ANCHORS=0 to skip the torch anchors, FLEX=0 to skip FlexAttention among them (its compile takes
+# minutes), LONG_SEQLENS (default 524288,1048576; 0 to skip): select and forward of the paper
+# config with the random pattern at those lengths.
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bin_dir="${1:-$root/build}"
 results_dir="${RESULTS_DIR:-$root/bench/results}"
-seqlens="${SEQLENS:-8192,32768,131072,524288}"
+seqlens="${SEQLENS:-8192,32768,131072}"
 configs="${CONFIGS:-paper,specialized}"
 mkdir -p "$results_dir"
 raw="$results_dir/raw"
@@ -39,11 +41,18 @@ tail -n 5 "$raw/gpu_tests.log"
 echo "== flashmsa benchmarks"
 "$bin_dir/flashmsa_bench" --configs "$configs" --seqlens "$seqlens" \
   --out "$raw/flashmsa_rows.json" 2>&1 | tee "$raw/bench.log"
+row_files=("$raw/flashmsa_rows.json")
+long_seqlens="${LONG_SEQLENS:-524288,1048576}"
+if [[ "$long_seqlens" != "0" ]]; then
+  "$bin_dir/flashmsa_bench" --stages select,forward --configs paper --patterns random \
+    --seqlens "$long_seqlens" --out "$raw/long_rows.json" 2>&1 | tee -a "$raw/bench.log"
+  row_files+=("$raw/long_rows.json")
+fi
 
 anchor_rows=()
 if [[ "${ANCHORS:-1}" != "0" ]]; then
   echo "== anchors (torch)"
-  PYTHONUNBUFFERED=1 python3 "$root/bench/anchors.py" --seqlens "$seqlens" \
+  PYTHONUNBUFFERED=1 python3 "$root/bench/anchors.py" --seqlens "$seqlens" --flex "${FLEX:-1}" \
     --out "$raw/anchor_rows.json" 2>&1 | tee "$raw/anchors.log"
   [[ -f "$raw/anchor_rows.json" ]] && anchor_rows=("$raw/anchor_rows.json")
 fi
@@ -70,5 +79,5 @@ fi
 
 python3 "$root/bench/results.py" --commit "$commit" --gpu "$gpu" \
   --tests "$raw/gpu_tests.json" --python-tests "$raw/python_tests.xml" \
-  --rows "$raw/flashmsa_rows.json" "${anchor_rows[@]}" --out "$results_dir/h200.json"
+  --rows "${row_files[@]}" "${anchor_rows[@]}" --out "$results_dir/h200.json"
 exit $(( tests_rc != 0 ? tests_rc : python_rc ))
