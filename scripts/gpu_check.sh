@@ -34,7 +34,8 @@ gpu="$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)"
 echo "gpu_check: $gpu, commit $commit"
 
 echo "== GPU tests"
-"$bin_dir/flashmsa_gpu_tests" --gtest_output="json:$raw/gpu_tests.json" >"$raw/gpu_tests.log" 2>&1
+timeout "${TEST_TIMEOUT:-600}" "$bin_dir/flashmsa_gpu_tests" --gtest_output="json:$raw/gpu_tests.json" \
+  >"$raw/gpu_tests.log" 2>&1
 tests_rc=$?
 tail -n 5 "$raw/gpu_tests.log"
 
@@ -57,6 +58,13 @@ if [[ "${ANCHORS:-1}" != "0" ]]; then
   [[ -f "$raw/anchor_rows.json" ]] && anchor_rows=("$raw/anchor_rows.json")
 fi
 
+write_results() {
+  python3 "$root/bench/results.py" --commit "$commit" --gpu "$gpu" \
+    --tests "$raw/gpu_tests.json" --python-tests "$raw/python_tests.xml" \
+    --rows "${row_files[@]}" "${anchor_rows[@]}" --out "$results_dir/h200.json"
+}
+write_results >/dev/null  # a first copy, so a PyTorch step cut short still leaves results
+
 # ---- PyTorch tests (tests/python) on the GPU, with a carried or locally built library -------------
 # libflashmsa_torch.so comes from scripts/setup_torch.sh (build-torch/, or FLASHMSA_TORCH_LIBRARY);
 # it links only libtorch, so a copy built elsewhere against torch 2.11 loads into this python3.
@@ -71,13 +79,12 @@ if [[ "${PYTORCH_TESTS:-1}" != "0" ]]; then
     if ! python3 -c "import pytest" 2>/dev/null && compgen -G "$root/.whl/pytest-*.whl" >/dev/null; then
       python3 -m pip install --quiet --no-index --find-links "$root/.whl" pytest
     fi
-    FLASHMSA_TORCH_LIBRARY="$torch_library" python3 -m pytest -q -rs "$root/tests/python" \
+    FLASHMSA_TORCH_LIBRARY="$torch_library" timeout "${TEST_TIMEOUT:-600}" \
+      python3 -m pytest -q -rs "$root/tests/python" \
       --junitxml="$raw/python_tests.xml" 2>&1 | tee "$raw/python_tests.log"
     python_rc=${PIPESTATUS[0]}
   fi
 fi
 
-python3 "$root/bench/results.py" --commit "$commit" --gpu "$gpu" \
-  --tests "$raw/gpu_tests.json" --python-tests "$raw/python_tests.xml" \
-  --rows "${row_files[@]}" "${anchor_rows[@]}" --out "$results_dir/h200.json"
+write_results
 exit $(( tests_rc != 0 ? tests_rc : python_rc ))
