@@ -58,7 +58,10 @@ def test_forward_backward_match_eager(config, mode, dtype):
     assert relative_error(out, expected_out) < 1e-2
     assert abs(sink.grad.item() - expected_kl.item()) <= 1e-2 * abs(expected_kl.item()) + 1e-4
     for name, actual, expected in zip(("dq", "dk", "dv", "dq_proxy", "dk_proxy"), grads, wide):
-        assert relative_error(actual, expected.grad) < 2e-2, name
+        # The proxy gradients carry 1/(B·Hp·S) and sit near 1e-6, inside fp16's subnormal range,
+        # where merely storing the exact gradient in the dtype costs ~2%: allow twice that.
+        storage_error = relative_error(expected.grad.to(dtype), expected.grad)
+        assert relative_error(actual, expected.grad) < max(2e-2, 2 * storage_error + 1e-2), name
 
 
 def test_head_major_and_flash_msa_func():
