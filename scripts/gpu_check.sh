@@ -7,7 +7,7 @@
 # BIN_DIR holds prebuilt flashmsa_gpu_tests and flashmsa_bench (default: build/, built here if
 # missing). The commit measured is read from BIN_DIR/COMMIT when present (binaries built elsewhere),
 # else from git. Results go to $RESULTS_DIR (default bench/results) as h200.json plus raw logs.
-# Environment: SEQLENS (default 8192,32768,131072), CONFIGS (default paper,specialized),
+# Environment: SEQLENS (default 8192,32768,131072), CONFIGS (default paper,specialized,seed),
 # ANCHORS=0 to skip the torch anchors, FLEX=0 to skip FlexAttention among them (its compile takes
 # minutes), LONG_SEQLENS (default 524288,1048576; 0 to skip): select and forward of the paper
 # config with the random pattern at those lengths.
@@ -16,7 +16,7 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bin_dir="${1:-$root/build}"
 results_dir="${RESULTS_DIR:-$root/bench/results}"
 seqlens="${SEQLENS:-8192,32768,131072}"
-configs="${CONFIGS:-paper,specialized}"
+configs="${CONFIGS:-paper,specialized,seed}"
 mkdir -p "$results_dir"
 raw="$results_dir/raw"
 mkdir -p "$raw"
