@@ -6,11 +6,16 @@
 // their storage formats: the backward's contract needs only correct saved tensors.
 // atol: 1e-4 of the largest |fp64| entry of each tensor (the dtype bound dominates); the KL value
 // 1e-6 relative. The reference runs on all host cores, split by query rows and key blocks.
+//
+// Cases: the named ones of correctness_cases(), kRandomCases random configurations (random_cases())
+// and the deterministic-mode checks.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <functional>
 #include <future>
+#include <iterator>
+#include <ostream>
 #include <random>
 #include <string>
 #include <thread>
@@ -42,6 +47,8 @@ struct BackwardCase {
   bool with_kl_value = true;   // fwd.kl non-null
   int sample = 0;              // 0: every row and block; else rows/blocks checked per batch
 };
+
+void PrintTo(const BackwardCase& c, std::ostream* os) { *os << c.name; }
 
 ProblemShape shape_of(const BackwardCase& c) {
   ProblemShape shape;
@@ -398,6 +405,131 @@ std::vector<BackwardCase> correctness_cases() {
   return list;
 }
 
+// ---------------------------------------------------------------------------------------------
+// Random configurations, drawn from a fixed seed so that the list and the names are stable: head
+// maps with H ≤ 16 (so M = H/Hp ≤ 16, the backward's limit), K ∈ {1, 2, 3, 5, 8, 16, 64},
+// S ∈ [1, 1100] (lengths at block boundaries drawn more often), B ∈ {1, 2}, both dtypes, both
+// layouts, every pattern, with and without kl_grad and the KL value.
+//
+// Host cost, measured on one x86 core (Release build), in units of B·Σ_i |T_i|·(2H + Hp)·D over
+// the rows i evaluated: the fp64 forward of the saved tensors kForwardNsPerUnit, the input-dtype
+// forward of the KL value kRoundedForwardNsPerUnit, the fp64 plus the input-dtype backward
+// kBackwardNsPerUnit; reference::random_inputs and the random dO kInputNsPerValue per value. Rows
+// and blocks are sampled when checking all of them would take longer than the case's budget; a
+// draw whose sampled check still would is drawn again. Every kLongCaseEvery-th case is long
+// (S ≥ 640, up to 9 blocks): even with one head and K = 1 its check takes about 1 s, so it gets
+// kLongCaseBudgetSeconds; the others get kCaseBudgetSeconds.
+// ---------------------------------------------------------------------------------------------
+constexpr int kRandomCases = 100;
+constexpr int kLongCaseEvery = 10;
+constexpr double kCaseBudgetSeconds = 0.5;
+constexpr double kLongCaseBudgetSeconds = 2.0;
+constexpr double kInputNsPerValue = 35.0;
+constexpr double kForwardNsPerUnit = 0.6;
+constexpr double kRoundedForwardNsPerUnit = 5.5;
+constexpr double kBackwardNsPerUnit = 25.0;
+
+struct HeadMap {
+  int num_heads, num_kv_heads, num_proxy_heads, num_proxy_kv_heads;
+};
+
+// Every (H, Hkv, Hp, Hpk) with H = num_heads that meets SPEC.md's divisibility rules.
+std::vector<HeadMap> head_maps(int num_heads) {
+  std::vector<HeadMap> maps;
+  for (int kv_heads = 1; kv_heads <= num_heads; ++kv_heads) {
+    for (int proxy_heads = 1; proxy_heads <= num_heads; ++proxy_heads) {
+      for (int proxy_kv_heads = 1; proxy_kv_heads <= proxy_heads; ++proxy_kv_heads) {
+        if (num_heads % kv_heads == 0 && num_heads % proxy_heads == 0 && proxy_heads % kv_heads == 0 &&
+            proxy_heads % proxy_kv_heads == 0) {
+          maps.push_back({num_heads, kv_heads, proxy_heads, proxy_kv_heads});
+        }
+      }
+    }
+  }
+  return maps;
+}
+
+int64_t draw_seqlen(std::mt19937_64& rng) {
+  constexpr int64_t kEdges[] = {1, 2, 127, 128, 129, 255, 256, 257, 640, 1023, 1024, 1025, 1100};
+  if (rng() % 4 == 0) return kEdges[rng() % std::size(kEdges)];
+  return 1 + int64_t(rng() % 1100);
+}
+
+// Estimated host seconds of one case on one core (the test spreads most of it over host threads).
+double reference_seconds(const BackwardCase& c) {
+  const ProblemShape s = shape_of(c);
+  const double per_token = (2.0 * s.num_heads + s.num_proxy_heads) * s.head_dim;
+  auto row_units = [&](int64_t i) {
+    return double(std::min<int64_t>(i + 1, kBlockSize * int64_t(s.top_k))) * per_token;
+  };
+  double all_rows = 0.0;
+  for (int64_t i = 0; i < s.seqlen; ++i) all_rows += row_units(i);
+  all_rows *= double(s.batch);
+  double checked = all_rows;
+  if (c.sample > 0) {
+    // A checked key block re-evaluates every row that selected it: all rows for block 0 of `hot`,
+    // about K/NB of them otherwise.
+    const double selecting = c.pattern == Pattern::kHot ? 1.0 : std::min(1.0, double(s.top_k) / s.num_blocks());
+    const double blocks_checked = c.sample / 4 + 3;
+    checked = double(s.batch) * (3 + c.sample) * row_units(s.seqlen - 1) +
+              std::min(1.0, blocks_checked * selecting) * all_rows;
+  }
+  const double input_values = double(s.batch) * s.seqlen * s.head_dim *
+                              (2 * s.num_heads + 2 * s.num_kv_heads + s.num_proxy_heads + s.num_proxy_kv_heads);
+  return (input_values * kInputNsPerValue + all_rows * kForwardNsPerUnit +
+          (c.with_kl_value ? all_rows * kRoundedForwardNsPerUnit : 0.0) + checked * kBackwardNsPerUnit) *
+         1e-9;
+}
+
+std::vector<BackwardCase> random_cases() {
+  constexpr int kTopKs[] = {1, 2, 3, 5, 8, 16, 64};
+  constexpr Pattern kPatterns[] = {Pattern::kRandom, Pattern::kRandom, Pattern::kHot, Pattern::kTileShared};
+  constexpr int kDrawsPerLength = 8;
+  std::mt19937_64 rng(0x5eed'b0b0);
+  std::vector<BackwardCase> list;
+  while (list.size() < kRandomCases) {
+    const bool long_case = list.size() % kLongCaseEvery == kLongCaseEvery - 1;
+    const double budget = long_case ? kLongCaseBudgetSeconds : kCaseBudgetSeconds;
+    BackwardCase c;
+    c.batch = 1 + int64_t(rng() % 2);
+    c.seqlen = long_case ? 640 + int64_t(rng() % 461) : draw_seqlen(rng);
+    // The rest is drawn again for the same length until it fits, so long sequences stay in the list
+    // (with fewer heads or blocks).
+    for (int draw = 0; draw < kDrawsPerLength; ++draw) {
+      const std::vector<HeadMap> maps = head_maps(1 + int(rng() % 16));
+      const HeadMap heads = maps[rng() % maps.size()];
+      c.num_heads = heads.num_heads;
+      c.num_kv_heads = heads.num_kv_heads;
+      c.num_proxy_heads = heads.num_proxy_heads;
+      c.num_proxy_kv_heads = heads.num_proxy_kv_heads;
+      c.top_k = kTopKs[rng() % std::size(kTopKs)];
+      c.dtype = rng() % 2 == 0 ? DType::kBF16 : DType::kFP16;
+      c.pattern = kPatterns[rng() % std::size(kPatterns)];
+      c.bhsd = rng() % 2 == 0;
+      c.with_kl_grad = rng() % 8 != 0;
+      c.with_kl_value = rng() % 4 != 0;
+      c.sample = 0;
+      for (int sample : {16, 8}) {
+        if (reference_seconds(c) <= budget) break;
+        c.sample = sample;
+      }
+      if (reference_seconds(c) <= budget) break;
+    }
+    if (reference_seconds(c) > budget) continue;
+    c.name = "r" + std::to_string(1000 + list.size()).substr(1) + "_b" + std::to_string(c.batch) +
+             "_s" + std::to_string(c.seqlen) + "_h" + std::to_string(c.num_heads) +
+             "_hkv" + std::to_string(c.num_kv_heads) + "_hp" + std::to_string(c.num_proxy_heads) +
+             "_hpk" + std::to_string(c.num_proxy_kv_heads) + "_k" + std::to_string(c.top_k) +
+             (c.dtype == DType::kBF16 ? "_bf16_" : "_fp16_") + (c.bhsd ? "bhsd_" : "bshd_") +
+             patterns::pattern_name(c.pattern) + (c.with_kl_grad ? "" : "_no_kl_grad") +
+             (c.with_kl_value ? "" : "_no_kl_value") + (c.sample > 0 ? "_sampled" : "");
+    list.push_back(c);
+  }
+  return list;
+}
+
+std::string case_name(const ::testing::TestParamInfo<BackwardCase>& info) { return info.param.name; }
+
 class BackwardMatchesReference : public ::testing::TestWithParam<BackwardCase> {};
 
 TEST_P(BackwardMatchesReference, AllGradientsAndKl) {
@@ -406,8 +538,8 @@ TEST_P(BackwardMatchesReference, AllGradientsAndKl) {
   check_case(c, std::hash<std::string>{}(c.name) ^ uint64_t(std::random_device{}()));
 }
 
-INSTANTIATE_TEST_SUITE_P(Cases, BackwardMatchesReference, ::testing::ValuesIn(correctness_cases()),
-                         [](const ::testing::TestParamInfo<BackwardCase>& info) { return info.param.name; });
+INSTANTIATE_TEST_SUITE_P(Cases, BackwardMatchesReference, ::testing::ValuesIn(correctness_cases()), case_name);
+INSTANTIATE_TEST_SUITE_P(Random, BackwardMatchesReference, ::testing::ValuesIn(random_cases()), case_name);
 
 // ---------------------------------------------------------------------------------------------
 // Deterministic mode: reruns are bitwise equal, and the result passes the same reference check.

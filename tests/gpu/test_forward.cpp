@@ -8,22 +8,29 @@
 // built from exp2/log2 and a two-level merge; a dropped key moves an LSE by ≈ 1/|T| ≥ 1.5e-3).
 // The KL value is not computed by the forward (docs/design.md "Forward"): params.kl must stay as
 // the caller left it.
+//
+// Cases: the named ones below, then kRandomCases random configurations (random_cases()).
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
+#include <iterator>
+#include <ostream>
 #include <random>
 #include <string>
 #include <vector>
 
+#include "common/patterns.h"
 #include "gpu/forward_cases.h"
 
 namespace flashmsa {
 namespace {
 
-enum class Selection { kRandom, kReferenceSelect, kDense };
+// kHot and kTileShared are the patterns of common/patterns.h (SPEC.md "Benchmark configurations").
+enum class Selection { kRandom, kReferenceSelect, kDense, kHot, kTileShared };
 
 struct ForwardCase {
-  const char* name;
+  std::string name;
   int num_heads, num_kv_heads, num_proxy_heads, num_proxy_kv_heads;
   int64_t batch, seqlen;
   int top_k;
@@ -32,6 +39,8 @@ struct ForwardCase {
   Selection selection;
   int sampled_rows;  // 0: every row
 };
+
+void PrintTo(const ForwardCase& c, std::ostream* os) { *os << c.name; }
 
 reference::QueryRows sample_rows(const ForwardCase& c, uint64_t seed) {
   reference::QueryRows rows;
@@ -62,10 +71,20 @@ TEST_P(ForwardTest, MatchesReference) {
   const reference::QueryRows rows = sample_rows(c, seed);
 
   std::vector<int32_t> block_idx;
-  if (c.selection == Selection::kReferenceSelect) {
-    block_idx = reference::select(inputs, reference::Precision::kFP64);
-  } else {
-    block_idx = forward_testing::random_selection(shape, seed);
+  switch (c.selection) {
+    case Selection::kReferenceSelect:
+      block_idx = reference::select(inputs, reference::Precision::kFP64);
+      break;
+    case Selection::kHot:
+      block_idx = patterns::make_selection(shape, patterns::Pattern::kHot, seed);
+      break;
+    case Selection::kTileShared:
+      block_idx = patterns::make_selection(shape, patterns::Pattern::kTileShared, seed);
+      break;
+    case Selection::kRandom:
+    case Selection::kDense:
+      block_idx = forward_testing::random_selection(shape, seed);
+      break;
   }
 
   using forward_testing::upload_tensor;
@@ -148,6 +167,8 @@ TEST_P(ForwardTest, MatchesReference) {
               proxy_report.describe("proxy_lse").c_str());
 }
 
+std::string case_name(const ::testing::TestParamInfo<ForwardCase>& info) { return info.param.name; }
+
 constexpr DType kBF16 = DType::kBF16;
 constexpr DType kFP16 = DType::kFP16;
 constexpr Selection kRandom = Selection::kRandom;
@@ -175,7 +196,130 @@ INSTANTIATE_TEST_SUITE_P(
         // K ≥ NB: dense causal attention.
         ForwardCase{"dense_seed_s1500_k16", 16, 2, 4, 1, 1, 1500, 16, kBF16, false, Selection::kDense, 32},
         ForwardCase{"dense_paper_s1000_k64_fp16", 64, 4, 4, 1, 1, 1000, 64, kFP16, true, Selection::kDense, 32}),
-    [](const ::testing::TestParamInfo<ForwardCase>& info) { return std::string(info.param.name); });
+    case_name);
+
+// ---------------------------------------------------------------------------------------------
+// Random configurations, drawn from a fixed seed so that the list and the names are stable: head
+// maps with H ≤ 16, K ∈ {1, 2, 3, 5, 8, 16, 64}, S ∈ [1, 1100] (lengths at block boundaries drawn
+// more often), B ∈ {1, 2}, both dtypes, both layouts and every selection kind.
+//
+// Host cost, measured on one x86 core (Release build): reference::random_inputs about
+// kInputNsPerValue per value of B·S·(H + 2·Hkv + Hp + Hpk)·D, the fp64 plus the input-dtype
+// reference forward about kReferenceNsPerUnit per unit of B·rows·|T|·(2H + Hp)·D, and
+// reference::select about kSelectNsPerUnit per unit of B·Hp·S²/2·Di. Rows are sampled when checking
+// all of them would take longer than kCaseBudgetSeconds; a draw whose sampled check still would is
+// drawn again.
+// ---------------------------------------------------------------------------------------------
+constexpr int kRandomCases = 100;
+constexpr double kCaseBudgetSeconds = 0.4;
+constexpr double kInputNsPerValue = 35.0;
+constexpr double kReferenceNsPerUnit = 6.1;
+constexpr double kSelectNsPerUnit = 0.25;
+
+struct HeadMap {
+  int num_heads, num_kv_heads, num_proxy_heads, num_proxy_kv_heads;
+};
+
+// Every (H, Hkv, Hp, Hpk) with H = num_heads that meets SPEC.md's divisibility rules.
+std::vector<HeadMap> head_maps(int num_heads) {
+  std::vector<HeadMap> maps;
+  for (int kv_heads = 1; kv_heads <= num_heads; ++kv_heads) {
+    for (int proxy_heads = 1; proxy_heads <= num_heads; ++proxy_heads) {
+      for (int proxy_kv_heads = 1; proxy_kv_heads <= proxy_heads; ++proxy_kv_heads) {
+        if (num_heads % kv_heads == 0 && num_heads % proxy_heads == 0 && proxy_heads % kv_heads == 0 &&
+            proxy_heads % proxy_kv_heads == 0) {
+          maps.push_back({num_heads, kv_heads, proxy_heads, proxy_kv_heads});
+        }
+      }
+    }
+  }
+  return maps;
+}
+
+int64_t draw_seqlen(std::mt19937_64& rng) {
+  constexpr int64_t kEdges[] = {1, 2, 127, 128, 129, 255, 256, 257, 640, 1023, 1024, 1025, 1100};
+  if (rng() % 4 == 0) return kEdges[rng() % std::size(kEdges)];
+  return 1 + int64_t(rng() % 1100);
+}
+
+const char* selection_name(Selection selection) {
+  switch (selection) {
+    case Selection::kRandom:
+      return "random";
+    case Selection::kReferenceSelect:
+      return "select";
+    case Selection::kDense:
+      return "dense";
+    case Selection::kHot:
+      return "hot";
+    case Selection::kTileShared:
+      return "tile_shared";
+  }
+  return "?";
+}
+
+// Estimated host seconds of one case on one core.
+double reference_seconds(const ForwardCase& c) {
+  const double per_token = (2.0 * c.num_heads + c.num_proxy_heads) * 128;
+  auto tokens = [&](int64_t i) { return double(std::min<int64_t>(i + 1, kBlockSize * int64_t(c.top_k))); };
+  double units = 0.0;
+  if (c.sampled_rows == 0) {
+    for (int64_t i = 0; i < c.seqlen; ++i) units += tokens(i);
+  } else {
+    units = (5 + c.sampled_rows) * tokens(c.seqlen - 1);
+  }
+  units *= double(c.batch) * per_token;
+  const double select_units = c.selection == Selection::kReferenceSelect
+                                  ? double(c.batch) * c.num_proxy_heads * double(c.seqlen) * c.seqlen / 2 * 128
+                                  : 0.0;
+  const double input_values = double(c.batch) * c.seqlen * 128 *
+                              (c.num_heads + 2 * c.num_kv_heads + c.num_proxy_heads + c.num_proxy_kv_heads);
+  return (input_values * kInputNsPerValue + units * kReferenceNsPerUnit + select_units * kSelectNsPerUnit) * 1e-9;
+}
+
+std::vector<ForwardCase> random_cases() {
+  constexpr int kTopKs[] = {1, 2, 3, 5, 8, 16, 64};
+  constexpr Selection kSelections[] = {kRandom, kRandom, kRandom, Selection::kReferenceSelect,
+                                       Selection::kReferenceSelect, Selection::kHot,
+                                       Selection::kTileShared, Selection::kDense};
+  std::mt19937_64 rng(0x5eed'f0f0);
+  std::vector<ForwardCase> list;
+  while (list.size() < kRandomCases) {
+    const std::vector<HeadMap> maps = head_maps(1 + int(rng() % 16));
+    const HeadMap heads = maps[rng() % maps.size()];
+    ForwardCase c;
+    c.num_heads = heads.num_heads;
+    c.num_kv_heads = heads.num_kv_heads;
+    c.num_proxy_heads = heads.num_proxy_heads;
+    c.num_proxy_kv_heads = heads.num_proxy_kv_heads;
+    c.batch = 1 + int64_t(rng() % 2);
+    c.seqlen = draw_seqlen(rng);
+    c.top_k = kTopKs[rng() % std::size(kTopKs)];
+    c.dtype = rng() % 2 == 0 ? kBF16 : kFP16;
+    c.bhsd = rng() % 2 == 0;
+    c.selection = kSelections[rng() % std::size(kSelections)];
+    c.sampled_rows = 0;
+    if (c.selection == Selection::kDense) {  // the smallest K of the list with K ≥ NB (NB ≤ 9)
+      const int64_t num_blocks = (c.seqlen + kBlockSize - 1) / kBlockSize;
+      c.top_k = *std::find_if(std::begin(kTopKs), std::end(kTopKs), [&](int k) { return k >= num_blocks; });
+    }
+    // sample_rows() always checks rows 127 and 128, so only S > 128 can be sampled.
+    for (int sampled : {32, 16, 8}) {
+      if (reference_seconds(c) <= kCaseBudgetSeconds || c.seqlen <= kBlockSize) break;
+      c.sampled_rows = sampled;
+    }
+    if (reference_seconds(c) > kCaseBudgetSeconds) continue;
+    c.name = "r" + std::to_string(1000 + list.size()).substr(1) + "_b" + std::to_string(c.batch) +
+             "_s" + std::to_string(c.seqlen) + "_h" + std::to_string(c.num_heads) +
+             "_hkv" + std::to_string(c.num_kv_heads) + "_hp" + std::to_string(c.num_proxy_heads) +
+             "_hpk" + std::to_string(c.num_proxy_kv_heads) + "_k" + std::to_string(c.top_k) +
+             (c.dtype == kBF16 ? "_bf16_" : "_fp16_") + (c.bhsd ? "bhsd_" : "bshd_") + selection_name(c.selection);
+    list.push_back(c);
+  }
+  return list;
+}
+
+INSTANTIATE_TEST_SUITE_P(Random, ForwardTest, ::testing::ValuesIn(random_cases()), case_name);
 
 }  // namespace
 }  // namespace flashmsa
