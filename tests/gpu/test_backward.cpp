@@ -23,6 +23,7 @@
 
 #include "common/patterns.h"
 #include "gpu/gpu_test.h"
+#include "gpu/random_draws.h"
 
 namespace flashmsa {
 namespace {
@@ -429,31 +430,9 @@ constexpr double kForwardNsPerUnit = 0.6;
 constexpr double kRoundedForwardNsPerUnit = 5.5;
 constexpr double kBackwardNsPerUnit = 25.0;
 
-struct HeadMap {
-  int num_heads, num_kv_heads, num_proxy_heads, num_proxy_kv_heads;
-};
-
-// Every (H, Hkv, Hp, Hpk) with H = num_heads that meets SPEC.md's divisibility rules.
-std::vector<HeadMap> head_maps(int num_heads) {
-  std::vector<HeadMap> maps;
-  for (int kv_heads = 1; kv_heads <= num_heads; ++kv_heads) {
-    for (int proxy_heads = 1; proxy_heads <= num_heads; ++proxy_heads) {
-      for (int proxy_kv_heads = 1; proxy_kv_heads <= proxy_heads; ++proxy_kv_heads) {
-        if (num_heads % kv_heads == 0 && num_heads % proxy_heads == 0 && proxy_heads % kv_heads == 0 &&
-            proxy_heads % proxy_kv_heads == 0) {
-          maps.push_back({num_heads, kv_heads, proxy_heads, proxy_kv_heads});
-        }
-      }
-    }
-  }
-  return maps;
-}
-
-int64_t draw_seqlen(std::mt19937_64& rng) {
-  constexpr int64_t kEdges[] = {1, 2, 127, 128, 129, 255, 256, 257, 640, 1023, 1024, 1025, 1100};
-  if (rng() % 4 == 0) return kEdges[rng() % std::size(kEdges)];
-  return 1 + int64_t(rng() % 1100);
-}
+using random_draws::draw_seqlen;
+using random_draws::head_maps;
+using random_draws::HeadMap;
 
 // Estimated host seconds of one case on one core (the test spreads most of it over host threads).
 double reference_seconds(const BackwardCase& c) {

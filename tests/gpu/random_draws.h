@@ -1,0 +1,40 @@
+// Draws shared by the seeded random configurations of the forward and backward GPU tests
+// (test_forward.cpp, test_backward.cpp): head maps that meet SPEC.md's rules, and sequence lengths
+// weighted toward the block edges where masking and partial blocks go wrong.
+#pragma once
+
+#include <cstdint>
+#include <iterator>
+#include <random>
+#include <vector>
+
+namespace flashmsa::random_draws {
+
+struct HeadMap {
+  int num_heads, num_kv_heads, num_proxy_heads, num_proxy_kv_heads;
+};
+
+// Every (H, Hkv, Hp, Hpk) with H = num_heads that meets SPEC.md's divisibility rules.
+inline std::vector<HeadMap> head_maps(int num_heads) {
+  std::vector<HeadMap> maps;
+  for (int kv_heads = 1; kv_heads <= num_heads; ++kv_heads) {
+    for (int proxy_heads = 1; proxy_heads <= num_heads; ++proxy_heads) {
+      for (int proxy_kv_heads = 1; proxy_kv_heads <= proxy_heads; ++proxy_kv_heads) {
+        if (num_heads % kv_heads == 0 && num_heads % proxy_heads == 0 &&
+            proxy_heads % kv_heads == 0 && proxy_heads % proxy_kv_heads == 0) {
+          maps.push_back({num_heads, kv_heads, proxy_heads, proxy_kv_heads});
+        }
+      }
+    }
+  }
+  return maps;
+}
+
+// S in [1, 1100]; one draw in four is a block edge (1, 127-129, 255-257, 1023-1025, ...).
+inline int64_t draw_seqlen(std::mt19937_64& rng) {
+  constexpr int64_t kEdges[] = {1, 2, 127, 128, 129, 255, 256, 257, 640, 1023, 1024, 1025, 1100};
+  if (rng() % 4 == 0) return kEdges[rng() % std::size(kEdges)];
+  return 1 + int64_t(rng() % 1100);
+}
+
+}  // namespace flashmsa::random_draws
