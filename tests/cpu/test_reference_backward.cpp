@@ -9,24 +9,10 @@
 #include <limits>
 
 #include "reference/reference.h"
+#include "shapes.h"
 
 namespace flashmsa::reference {
 namespace {
-
-ProblemShape make_shape(int64_t batch, int64_t seqlen, int heads, int kv_heads, int proxy_heads,
-                        int proxy_kv_heads, int top_k, int head_dim = 16) {
-  ProblemShape s;
-  s.batch = batch;
-  s.seqlen = seqlen;
-  s.num_heads = heads;
-  s.num_kv_heads = kv_heads;
-  s.num_proxy_heads = proxy_heads;
-  s.num_proxy_kv_heads = proxy_kv_heads;
-  s.head_dim = head_dim;
-  s.proxy_head_dim = head_dim;
-  s.top_k = top_k;
-  return s;
-}
 
 // The five gradients, for loops over all of them.
 constexpr std::vector<double> Gradients::*kAllGradients[] = {
@@ -39,7 +25,7 @@ double max_abs(const std::vector<double>& x) {
 }
 
 TEST(ReferenceBackward, SparseWithEveryBlockEqualsWarmup) {
-  const ProblemShape s = make_shape(1, 400, 8, 2, 4, 2, 5);  // K = 5 > NB = 4
+  const ProblemShape s = testing::small_shape(1, 400, 8, 2, 4, 2, 5);  // K = 5 > NB = 4
   const Inputs in = random_inputs(s, 51, DType::kBF16);
   const std::vector<int32_t> block_idx = select(in, Precision::kFP64);
   const std::vector<double> dout = random_inputs(s, 52, DType::kBF16).q;
@@ -51,7 +37,7 @@ TEST(ReferenceBackward, SparseWithEveryBlockEqualsWarmup) {
 }
 
 TEST(ReferenceBackward, WarmupIgnoresBlockIdx) {
-  const ProblemShape s = make_shape(1, 300, 4, 2, 2, 1, 1);
+  const ProblemShape s = testing::small_shape(1, 300, 4, 2, 2, 1, 1);
   const Inputs in = random_inputs(s, 53, DType::kBF16);
   const std::vector<int32_t> block_idx = select(in, Precision::kFP64);
   const std::vector<double> dout = random_inputs(s, 54, DType::kBF16).q;
@@ -66,7 +52,7 @@ TEST(ReferenceBackward, WarmupIgnoresBlockIdx) {
 
 // The teacher is detached: ḡ moves only dq_proxy and dk_proxy, linearly, and dout does not.
 TEST(ReferenceBackward, KlGradientReachesOnlyTheProxies) {
-  const ProblemShape s = make_shape(1, 300, 8, 2, 2, 1, 2);
+  const ProblemShape s = testing::small_shape(1, 300, 8, 2, 2, 1, 2);
   const Inputs in = random_inputs(s, 55, DType::kBF16);
   const std::vector<int32_t> block_idx = select(in, Precision::kFP64);
   const std::vector<double> dout = random_inputs(s, 56, DType::kBF16).q;
@@ -97,7 +83,7 @@ TEST(ReferenceBackward, KlGradientReachesOnlyTheProxies) {
 class GradientIdentities : public ::testing::TestWithParam<Mode> {};
 
 TEST_P(GradientIdentities, KeySumsFollowFromTheSoftmax) {
-  const ProblemShape s = make_shape(2, 270, 6, 2, 2, 1, 2);
+  const ProblemShape s = testing::small_shape(2, 270, 6, 2, 2, 1, 2);
   const Inputs in = random_inputs(s, 57, DType::kBF16);
   const std::vector<int32_t> block_idx = select(in, Precision::kFP64);
   const std::vector<double> dout = random_inputs(s, 58, DType::kBF16).q;
@@ -137,7 +123,7 @@ INSTANTIATE_TEST_SUITE_P(Reference, GradientIdentities,
 
 // Rows that attend to nothing contribute nothing, without NaN.
 TEST(ReferenceBackward, EmptyTokenSetsGiveZeroGradients) {
-  const ProblemShape s = make_shape(1, 200, 2, 1, 1, 1, 1);
+  const ProblemShape s = testing::small_shape(1, 200, 2, 1, 1, 1, 1);
   const Inputs in = random_inputs(s, 59, DType::kBF16);
   const std::vector<int32_t> block_idx(s.seqlen, -1);
   const std::vector<double> dout = random_inputs(s, 60, DType::kBF16).q;
@@ -154,7 +140,7 @@ class GradientSubsets : public ::testing::TestWithParam<std::tuple<Mode, Precisi
 TEST_P(GradientSubsets, MatchFullGradients) {
   const Mode mode = std::get<0>(GetParam());
   const Precision precision = std::get<1>(GetParam());
-  const ProblemShape s = make_shape(2, 300, 8, 2, 4, 2, 2);
+  const ProblemShape s = testing::small_shape(2, 300, 8, 2, 4, 2, 2);
   const Inputs in = random_inputs(s, 61, DType::kBF16);
   const std::vector<int32_t> block_idx = select(in, Precision::kFP64);
   const std::vector<double> dout = random_inputs(s, 62, DType::kBF16).q;
@@ -212,7 +198,7 @@ INSTANTIATE_TEST_SUITE_P(Reference, GradientSubsets,
 // A key block needs the selection of every row after it: a block_idx that select() filled for a
 // few rows is rejected for key blocks instead of silently dropping the other rows.
 TEST(ReferenceBackward, KeyBlocksRejectAPartialSelection) {
-  const ProblemShape s = make_shape(1, 2000, 2, 1, 1, 1, 3);
+  const ProblemShape s = testing::small_shape(1, 2000, 2, 1, 1, 1, 3);
   const Inputs in = random_inputs(s, 63, DType::kBF16);
   const QueryRows rows = {{0, 1999}, {0, 700}};
   const std::vector<int32_t> partial = select(in, Precision::kFP64, rows);
@@ -226,7 +212,7 @@ TEST(ReferenceBackward, KeyBlocksRejectAPartialSelection) {
 }
 
 TEST(ReferenceBackward, RejectsBadArguments) {
-  const ProblemShape s = make_shape(1, 200, 4, 2, 2, 1, 2);
+  const ProblemShape s = testing::small_shape(1, 200, 4, 2, 2, 1, 2);
   const Inputs in = random_inputs(s, 65, DType::kBF16);
   const std::vector<int32_t> block_idx = select(in, Precision::kFP64);
   const std::vector<double> dout = random_inputs(s, 66, DType::kBF16).q;

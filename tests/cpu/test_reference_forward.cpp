@@ -9,24 +9,10 @@
 #include <limits>
 
 #include "reference/reference.h"
+#include "shapes.h"
 
 namespace flashmsa::reference {
 namespace {
-
-ProblemShape make_shape(int64_t batch, int64_t seqlen, int heads, int kv_heads, int proxy_heads,
-                        int proxy_kv_heads, int top_k, int head_dim = 16) {
-  ProblemShape s;
-  s.batch = batch;
-  s.seqlen = seqlen;
-  s.num_heads = heads;
-  s.num_kv_heads = kv_heads;
-  s.num_proxy_heads = proxy_heads;
-  s.num_proxy_kv_heads = proxy_kv_heads;
-  s.head_dim = head_dim;
-  s.proxy_head_dim = head_dim;
-  s.top_k = top_k;
-  return s;
-}
 
 // T_pi read directly off block_idx: j <= i whose block is listed.
 std::vector<int64_t> tokens_from_block_idx(const ProblemShape& s,
@@ -57,7 +43,7 @@ class DirectEvaluation : public ::testing::TestWithParam<int> {};
 
 TEST_P(DirectEvaluation, SoftmaxSumsToOneAndOutputIsTheWeightedSum) {
   const int head_dim = GetParam();
-  const ProblemShape s = make_shape(2, 333, 4, 2, 2, 1, 2, head_dim);
+  const ProblemShape s = testing::small_shape(2, 333, 4, 2, 2, 1, 2, head_dim);
   const Inputs in = random_inputs(s, 31, DType::kBF16);
   const std::vector<int32_t> block_idx = select(in, Precision::kFP64);
   const ForwardOutputs f = forward(in, block_idx, Mode::kSparse, Precision::kFP64);
@@ -92,7 +78,7 @@ INSTANTIATE_TEST_SUITE_P(Reference, DirectEvaluation, ::testing::Values(16, 128)
                          });
 
 TEST(ReferenceForward, SparseWithEveryBlockEqualsWarmup) {
-  const ProblemShape s = make_shape(1, 500, 8, 2, 4, 1, 4);  // K = NB = 4
+  const ProblemShape s = testing::small_shape(1, 500, 8, 2, 4, 1, 4);  // K = NB = 4
   const Inputs in = random_inputs(s, 32, DType::kBF16);
   const std::vector<int32_t> block_idx = select(in, Precision::kFP64);
   for (Precision precision : {Precision::kFP64, Precision::kBF16}) {
@@ -107,7 +93,7 @@ TEST(ReferenceForward, SparseWithEveryBlockEqualsWarmup) {
 }
 
 TEST(ReferenceForward, WarmupIgnoresBlockIdx) {
-  const ProblemShape s = make_shape(1, 400, 4, 2, 2, 1, 2);
+  const ProblemShape s = testing::small_shape(1, 400, 4, 2, 2, 1, 2);
   const Inputs in = random_inputs(s, 33, DType::kBF16);
   const std::vector<int32_t> selected = select(in, Precision::kFP64);
   const std::vector<int32_t> only_block_zero(selected.size(), 0);
@@ -127,7 +113,7 @@ TEST(ReferenceForward, WarmupIgnoresBlockIdx) {
 class KlOfAPerfectProxy : public ::testing::TestWithParam<Mode> {};
 
 TEST_P(KlOfAPerfectProxy, IsZero) {
-  const ProblemShape s = make_shape(1, 400, 4, 2, 4, 2, 2);
+  const ProblemShape s = testing::small_shape(1, 400, 4, 2, 4, 2, 2);
   Inputs in = random_inputs(s, 34, DType::kBF16);
   in.proxy_scale = 2.0 / std::sqrt(s.head_dim);  // σp = 2σ, so q_proxy = q / 2 gives s = z
   for (size_t e = 0; e < in.q.size(); ++e) in.q_proxy[e] = in.q[e] / 2.0;
@@ -150,7 +136,7 @@ INSTANTIATE_TEST_SUITE_P(Reference, KlOfAPerfectProxy,
                          });
 
 TEST(ReferenceForward, KlIsNonNegativeAndTheMeanOfItsRows) {
-  const ProblemShape s = make_shape(2, 300, 8, 2, 2, 1, 2);  // M = 4
+  const ProblemShape s = testing::small_shape(2, 300, 8, 2, 2, 1, 2);  // M = 4
   const Inputs in = random_inputs(s, 35, DType::kBF16);
   const std::vector<int32_t> block_idx = select(in, Precision::kFP64);
   for (Mode mode : {Mode::kSparse, Mode::kWarmup}) {
@@ -167,7 +153,7 @@ TEST(ReferenceForward, KlIsNonNegativeAndTheMeanOfItsRows) {
 
 // One KL row from the definition: t = mean of the group's P, π = softmax of the proxy scores.
 TEST(ReferenceForward, KlRowMatchesTheDefinition) {
-  const ProblemShape s = make_shape(1, 300, 6, 2, 2, 1, 2);  // M = 3
+  const ProblemShape s = testing::small_shape(1, 300, 6, 2, 2, 1, 2);  // M = 3
   const Inputs in = random_inputs(s, 36, DType::kBF16);
   const std::vector<int32_t> block_idx = select(in, Precision::kFP64);
   const ForwardOutputs f = forward(in, block_idx, Mode::kSparse, Precision::kFP64);
@@ -203,7 +189,7 @@ TEST(ReferenceForward, KlRowMatchesTheDefinition) {
 
 // Changing keys and values in a block that row i did not select leaves its outputs untouched.
 TEST(ReferenceForward, SparseRowsIgnoreUnselectedBlocks) {
-  const ProblemShape s = make_shape(1, 640, 2, 1, 1, 1, 2);
+  const ProblemShape s = testing::small_shape(1, 640, 2, 1, 1, 1, 2);
   Inputs in = random_inputs(s, 37, DType::kBF16);
   const std::vector<int32_t> block_idx = select(in, Precision::kFP64);
   const int64_t row = s.seqlen - 1;
@@ -232,7 +218,7 @@ TEST(ReferenceForward, SparseRowsIgnoreUnselectedBlocks) {
 // T is a set: a repeated block counts once, -1 slots add nothing, and blocks after c(i) add
 // nothing.
 TEST(ReferenceForward, BlockIdxHasSetSemantics) {
-  const ProblemShape s = make_shape(1, 300, 4, 2, 2, 1, 3);
+  const ProblemShape s = testing::small_shape(1, 300, 4, 2, 2, 1, 3);
   const Inputs in = random_inputs(s, 38, DType::kBF16);
   std::vector<int32_t> plain(s.num_proxy_heads * s.seqlen * s.top_k);
   std::vector<int32_t> noisy(plain.size());
@@ -254,7 +240,7 @@ TEST(ReferenceForward, BlockIdxHasSetSemantics) {
 
 // A row that selected nothing attends to nothing: O = 0, LSE = -inf, no NaN anywhere.
 TEST(ReferenceForward, EmptyTokenSetGivesZeroOutputWithoutNaN) {
-  const ProblemShape s = make_shape(1, 200, 2, 1, 1, 1, 1);
+  const ProblemShape s = testing::small_shape(1, 200, 2, 1, 1, 1, 1);
   const Inputs in = random_inputs(s, 39, DType::kBF16);
   std::vector<int32_t> block_idx(s.seqlen, -1);
   block_idx[150] = 1;  // one row keeps its local block
@@ -287,7 +273,7 @@ TEST(ReferenceForward, EmptyTokenSetGivesZeroOutputWithoutNaN) {
 }
 
 TEST(ReferenceForward, RowSubsetMatchesFullRowsAndLeavesTheRestNaN) {
-  const ProblemShape s = make_shape(2, 300, 6, 2, 2, 2, 2);
+  const ProblemShape s = testing::small_shape(2, 300, 6, 2, 2, 2, 2);
   const Inputs in = random_inputs(s, 40, DType::kBF16);
   const std::vector<int32_t> block_idx = select(in, Precision::kFP64);
   const QueryRows rows = {{0, 0}, {1, 129}, {1, 299}, {0, 200}};
@@ -325,7 +311,7 @@ TEST(ReferenceForward, RowSubsetMatchesFullRowsAndLeavesTheRestNaN) {
 
 // A few rows of a long sequence cost O(rows · |T| · D): 64K tokens are no problem.
 TEST(ReferenceForward, SampledRowsOfALongSequence) {
-  const ProblemShape s = make_shape(1, 65536 + 77, 2, 1, 1, 1, 4);
+  const ProblemShape s = testing::small_shape(1, 65536 + 77, 2, 1, 1, 1, 4);
   const Inputs in = random_inputs(s, 41, DType::kBF16);
   const QueryRows rows = {{0, 1000}, {0, 40000}, {0, s.seqlen - 1}};
   const std::vector<int32_t> block_idx = select(in, Precision::kFP64, rows);
@@ -344,7 +330,7 @@ TEST(ReferenceForward, SampledRowsOfALongSequence) {
 }
 
 TEST(ReferenceForward, RejectsBadArguments) {
-  const ProblemShape s = make_shape(1, 200, 4, 2, 2, 1, 2);
+  const ProblemShape s = testing::small_shape(1, 200, 4, 2, 2, 1, 2);
   const Inputs in = random_inputs(s, 42, DType::kBF16);
   const std::vector<int32_t> block_idx = select(in, Precision::kFP64);
   EXPECT_THROW(forward(in, {}, Mode::kSparse, Precision::kFP64), std::invalid_argument);

@@ -16,6 +16,7 @@
 #include <tuple>
 
 #include "reference/reference.h"
+#include "shapes.h"
 
 namespace flashmsa::reference {
 namespace {
@@ -29,21 +30,6 @@ struct GradCase {
 };
 
 void PrintTo(const GradCase& c, std::ostream* os) { *os << c.name; }
-
-ProblemShape make_shape(int64_t batch, int64_t seqlen, int heads, int kv_heads, int proxy_heads,
-                        int proxy_kv_heads, int top_k, int head_dim = 16, int proxy_head_dim = 16) {
-  ProblemShape s;
-  s.batch = batch;
-  s.seqlen = seqlen;
-  s.num_heads = heads;
-  s.num_kv_heads = kv_heads;
-  s.num_proxy_heads = proxy_heads;
-  s.num_proxy_kv_heads = proxy_kv_heads;
-  s.head_dim = head_dim;
-  s.proxy_head_dim = proxy_head_dim;
-  s.top_k = top_k;
-  return s;
-}
 
 enum class Tensor { kQ, kK, kV, kQProxy, kKProxy };
 
@@ -147,19 +133,19 @@ TEST_P(FiniteDifference, MatchesBackward) {
 const GradCase kCases[] = {
     // Paper layout scaled down (Hp = Hkv, Hpk = 1); S = 300 has a partial last block and rows of
     // block 0 see fewer than K blocks.
-    {"paper_K2_S300", make_shape(1, 300, 8, 2, 2, 1, 2), Mode::kSparse},
+    {"paper_K2_S300", testing::small_shape(1, 300, 8, 2, 2, 1, 2), Mode::kSparse},
     // Group-specialized: Hp > Hkv.
-    {"specialized_K2_S500", make_shape(1, 500, 8, 2, 4, 1, 2), Mode::kSparse},
+    {"specialized_K2_S500", testing::small_shape(1, 500, 8, 2, 4, 1, 2), Mode::kSparse},
     // Seed defaults (H=16, Hkv=2, Hp=4, Hpk=1) with K = 1: only the local block.
-    {"seed_K1_S260", make_shape(1, 260, 16, 2, 4, 1, 1), Mode::kSparse},
+    {"seed_K1_S260", testing::small_shape(1, 260, 16, 2, 4, 1, 1), Mode::kSparse},
     // Odd group sizes (M = G = 3), one proxy key head per proxy head, K >= NB, two batches.
-    {"odd_M3_K3_B2", make_shape(2, 200, 6, 2, 2, 2, 3), Mode::kSparse},
+    {"odd_M3_K3_B2", testing::small_shape(2, 200, 6, 2, 2, 2, 3), Mode::kSparse},
     // R = 2 proxy heads per proxy key head, Di != D, explicit scales.
-    {"proxy_R2_Di8_scaled", make_shape(1, 400, 8, 2, 4, 2, 3, 16, 8), Mode::kSparse, 0.3, 0.4},
+    {"proxy_R2_Di8_scaled", testing::small_shape(1, 400, 8, 2, 4, 2, 3, 16, 8), Mode::kSparse, 0.3, 0.4},
     // K larger than the number of blocks: every row sees its whole causal prefix.
-    {"K8_exceeds_blocks", make_shape(1, 500, 4, 1, 1, 1, 8), Mode::kSparse},
-    {"warmup_paper_S300", make_shape(1, 300, 8, 2, 2, 1, 2), Mode::kWarmup},
-    {"warmup_M2_B2", make_shape(2, 150, 6, 3, 3, 1, 1), Mode::kWarmup},
+    {"K8_exceeds_blocks", testing::small_shape(1, 500, 4, 1, 1, 1, 8), Mode::kSparse},
+    {"warmup_paper_S300", testing::small_shape(1, 300, 8, 2, 2, 1, 2), Mode::kWarmup},
+    {"warmup_M2_B2", testing::small_shape(2, 150, 6, 3, 3, 1, 1), Mode::kWarmup},
 };
 
 std::string case_name(const ::testing::TestParamInfo<std::tuple<GradCase, Tensor>>& info) {

@@ -10,23 +10,15 @@
 #include <random>
 
 #include "reference/reference.h"
+#include "shapes.h"
 
 namespace flashmsa::reference {
 namespace {
 
+// One batch, one proxy key head.
 ProblemShape make_shape(int64_t seqlen, int heads, int kv_heads, int proxy_heads, int top_k,
                         int head_dim) {
-  ProblemShape s;
-  s.batch = 1;
-  s.seqlen = seqlen;
-  s.num_heads = heads;
-  s.num_kv_heads = kv_heads;
-  s.num_proxy_heads = proxy_heads;
-  s.num_proxy_kv_heads = 1;
-  s.head_dim = head_dim;
-  s.proxy_head_dim = head_dim;
-  s.top_k = top_k;
-  return s;
+  return testing::small_shape(1, seqlen, heads, kv_heads, proxy_heads, 1, top_k, head_dim);
 }
 
 // max |a - b| / max |b| over the entries both define.

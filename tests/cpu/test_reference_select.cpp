@@ -8,23 +8,16 @@
 #include <limits>
 
 #include "reference/reference.h"
+#include "shapes.h"
 
 namespace flashmsa::reference {
 namespace {
 
+// Selection needs only the proxy heads; the main branch gets H = Hp, Hkv = 1.
 ProblemShape make_shape(int64_t batch, int64_t seqlen, int proxy_heads, int proxy_kv_heads,
                         int top_k, int proxy_head_dim = 16) {
-  ProblemShape s;
-  s.batch = batch;
-  s.seqlen = seqlen;
-  s.num_heads = proxy_heads;
-  s.num_kv_heads = 1;
-  s.num_proxy_heads = proxy_heads;
-  s.num_proxy_kv_heads = proxy_kv_heads;
-  s.head_dim = 16;
-  s.proxy_head_dim = proxy_head_dim;
-  s.top_k = top_k;
-  return s;
+  return testing::small_shape(batch, seqlen, proxy_heads, 1, proxy_heads, proxy_kv_heads, top_k, 16,
+                              proxy_head_dim);
 }
 
 const int32_t* slots_of(const std::vector<int32_t>& block_idx, const ProblemShape& s, int64_t b,
