@@ -109,25 +109,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_cpu(
   ForwardParams params = forward_inputs(q, k, v, q_proxy, k_proxy, block_idx, top_k,
                                         std::string(mode), softmax_scale, proxy_scale, op);
   if (kl_sink.has_value()) check_scalar(*kl_sink, "kl_sink", q, op);
-  const ProblemShape& shape = params.shape;
-  at::Tensor lse =
-      at::empty({shape.batch, shape.num_heads, shape.seqlen}, q.options().dtype(at::kFloat));
-  at::Tensor proxy_lse =
-      at::empty({shape.batch, shape.num_proxy_heads, shape.seqlen}, q.options().dtype(at::kFloat));
-  at::Tensor out = at::empty(q.sizes(), q.options());
-  params.out = tensor_ref(out);
-  params.lse = lse.data_ptr<float>();
-  params.proxy_lse = proxy_lse.data_ptr<float>();
+  ForwardOutputs outputs = allocate_forward_outputs(params, q);
   check_status(validate(params), op, Check::kCallerInput);
 
   const reference::Inputs in = reference_inputs(params, q, k, v, q_proxy, k_proxy);
   const reference::ForwardOutputs result = run_reference(op, [&] {
     return reference::forward(in, block_idx_values(params), params.mode, kPrecision);
   });
-  copy_doubles(result.out, out);
-  copy_doubles(result.lse, lse);
-  copy_doubles(result.proxy_lse, proxy_lse);
-  return {out, lse, proxy_lse, at::zeros({}, q.options().dtype(at::kFloat))};
+  copy_doubles(result.out, outputs.out);
+  copy_doubles(result.lse, outputs.lse);
+  copy_doubles(result.proxy_lse, outputs.proxy_lse);
+  return {outputs.out, outputs.lse, outputs.proxy_lse,
+          at::zeros({}, q.options().dtype(at::kFloat))};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_cpu(
@@ -138,29 +131,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     double proxy_scale, bool deterministic) {
   (void)deterministic;  // the reference is deterministic
   const Op op = Op::kBackward;
-  ForwardParams params = forward_inputs(q, k, v, q_proxy, k_proxy, block_idx, top_k,
-                                        std::string(mode), softmax_scale, proxy_scale, op);
+  BackwardParams backward_params;
+  backward_params.fwd = forward_inputs(q, k, v, q_proxy, k_proxy, block_idx, top_k,
+                                       std::string(mode), softmax_scale, proxy_scale, op);
+  const ForwardParams& params = backward_params.fwd;
   check_saved_outputs(out, lse, proxy_lse, q, params.shape);
   const at::Tensor dout_view = kernel_layout(dout, "dout", q, op);
   if (kl_grad.has_value()) check_scalar(*kl_grad, "kl_grad", q, op);
-  // Gradients with the size (and, for dense inputs, the strides) of their input.
-  at::Tensor dq = at::empty_like(q);
-  at::Tensor dk = at::empty_like(k);
-  at::Tensor dv = at::empty_like(v);
-  at::Tensor dq_proxy = at::empty_like(q_proxy);
-  at::Tensor dk_proxy = at::empty_like(k_proxy);
-  params.out = tensor_ref(out);
-  params.lse = lse.data_ptr<float>();
-  params.proxy_lse = proxy_lse.data_ptr<float>();
-  BackwardParams backward_params;
-  backward_params.fwd = params;
-  backward_params.dout = tensor_ref(dout_view);
-  backward_params.kl_grad = kl_grad.has_value() ? kl_grad->data_ptr<float>() : nullptr;
-  backward_params.dq = tensor_ref(dq);
-  backward_params.dk = tensor_ref(dk);
-  backward_params.dv = tensor_ref(dv);
-  backward_params.dq_proxy = tensor_ref(dq_proxy);
-  backward_params.dk_proxy = tensor_ref(dk_proxy);
+  InputGradients grads = allocate_backward_arguments(
+      backward_params, q, k, v, q_proxy, k_proxy, out, lse, proxy_lse, dout_view, kl_grad);
   check_status(validate(backward_params), op, Check::kCallerInput);
 
   const reference::Inputs in = reference_inputs(params, q, k, v, q_proxy, k_proxy);
@@ -172,12 +151,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   });
   const double kl =
       run_reference(op, [&] { return reference::forward(in, blocks, params.mode, kPrecision).kl; });
-  copy_doubles(gradients.dq, dq);
-  copy_doubles(gradients.dk, dk);
-  copy_doubles(gradients.dv, dv);
-  copy_doubles(gradients.dq_proxy, dq_proxy);
-  copy_doubles(gradients.dk_proxy, dk_proxy);
-  return {dq, dk, dv, dq_proxy, dk_proxy, at::full({}, kl, q.options().dtype(at::kFloat))};
+  copy_doubles(gradients.dq, grads.dq);
+  copy_doubles(gradients.dk, grads.dk);
+  copy_doubles(gradients.dv, grads.dv);
+  copy_doubles(gradients.dq_proxy, grads.dq_proxy);
+  copy_doubles(gradients.dk_proxy, grads.dk_proxy);
+  return {grads.dq, grads.dk, grads.dv, grads.dq_proxy, grads.dk_proxy,
+          at::full({}, kl, q.options().dtype(at::kFloat))};
 }
 
 }  // namespace

@@ -72,13 +72,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_cuda(
   const ProblemShape& shape = params.shape;
   const c10::cuda::CUDAGuard guard(q.device());
   const cudaStream_t stream = current_stream(q);
-  const at::TensorOptions fp32 = q.options().dtype(at::kFloat);
-  at::Tensor out = at::empty(q.sizes(), q.options());
-  at::Tensor lse = at::empty({shape.batch, shape.num_heads, shape.seqlen}, fp32);
-  at::Tensor proxy_lse = at::empty({shape.batch, shape.num_proxy_heads, shape.seqlen}, fp32);
-  params.out = tensor_ref(out);
-  params.lse = lse.data_ptr<float>();
-  params.proxy_lse = proxy_lse.data_ptr<float>();
+  const ForwardOutputs outputs = allocate_forward_outputs(params, q);
   check_status(validate(params), op, Check::kCallerInput);
 
   at::Tensor schedule;
@@ -89,7 +83,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_cuda(
   const at::Tensor workspace = device_buffer(forward_workspace_size(shape, params.mode), q);
   params.workspace = pointer_or_null(workspace);
   check_status(flashmsa::forward(params, stream), op, Check::kFull);
-  return {out, lse, proxy_lse, at::zeros({}, fp32)};
+  return {outputs.out, outputs.lse, outputs.proxy_lse,
+          at::zeros({}, q.options().dtype(at::kFloat))};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_cuda(
@@ -109,24 +104,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
 
   const c10::cuda::CUDAGuard guard(q.device());
   const cudaStream_t stream = current_stream(q);
-  at::Tensor dq = at::empty_like(q);
-  at::Tensor dk = at::empty_like(k);
-  at::Tensor dv = at::empty_like(v);
-  at::Tensor dq_proxy = at::empty_like(q_proxy);
-  at::Tensor dk_proxy = at::empty_like(k_proxy);
-  params.fwd.out = tensor_ref(out);
-  params.fwd.lse = lse.data_ptr<float>();
-  params.fwd.proxy_lse = proxy_lse.data_ptr<float>();
+  const InputGradients grads = allocate_backward_arguments(
+      params, q, k, v, q_proxy, k_proxy, out, lse, proxy_lse, dout_view, kl_grad);
   at::Tensor kl_value = at::zeros({}, q.options().dtype(at::kFloat));
   params.fwd.kl = kl_value.data_ptr<float>();
-  params.dout = tensor_ref(dout_view);
-  params.kl_grad = kl_grad.has_value() ? kl_grad->data_ptr<float>() : nullptr;
   params.deterministic = deterministic;
-  params.dq = tensor_ref(dq);
-  params.dk = tensor_ref(dk);
-  params.dv = tensor_ref(dv);
-  params.dq_proxy = tensor_ref(dq_proxy);
-  params.dk_proxy = tensor_ref(dk_proxy);
   check_status(validate(params), op, Check::kCallerInput);
 
   at::Tensor schedule;
@@ -138,7 +120,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
       device_buffer(backward_workspace_size(shape, params.fwd.mode, deterministic), q);
   params.workspace = pointer_or_null(workspace);
   check_status(flashmsa::backward(params, stream), op, Check::kFull);
-  return {dq, dk, dv, dq_proxy, dk_proxy, kl_value};
+  return {grads.dq, grads.dk, grads.dv, grads.dq_proxy, grads.dk_proxy, kl_value};
 }
 
 }  // namespace
