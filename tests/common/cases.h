@@ -38,18 +38,28 @@ inline const HeadConfig* find_config(const std::string& name) {
   return nullptr;
 }
 
-inline ProblemShape make_shape(const HeadConfig& config, int64_t batch, int64_t seqlen) {
+// A ProblemShape from its sizes; proxy_head_dim 0 means "same as head_dim". Every test, benchmark
+// and the CLI build shapes through this one function.
+inline ProblemShape problem_shape(int64_t batch, int64_t seqlen, int heads, int kv_heads,
+                                  int proxy_heads, int proxy_kv_heads, int top_k,
+                                  int head_dim = 128, int proxy_head_dim = 0) {
   ProblemShape shape;
   shape.batch = batch;
   shape.seqlen = seqlen;
-  shape.num_heads = config.num_heads;
-  shape.num_kv_heads = config.num_kv_heads;
-  shape.num_proxy_heads = config.num_proxy_heads;
-  shape.num_proxy_kv_heads = config.num_proxy_kv_heads;
-  shape.head_dim = config.head_dim;
-  shape.proxy_head_dim = config.head_dim;
-  shape.top_k = config.top_k;
+  shape.num_heads = heads;
+  shape.num_kv_heads = kv_heads;
+  shape.num_proxy_heads = proxy_heads;
+  shape.num_proxy_kv_heads = proxy_kv_heads;
+  shape.head_dim = head_dim;
+  shape.proxy_head_dim = proxy_head_dim > 0 ? proxy_head_dim : head_dim;
+  shape.top_k = top_k;
   return shape;
+}
+
+inline ProblemShape make_shape(const HeadConfig& config, int64_t batch, int64_t seqlen) {
+  return problem_shape(batch, seqlen, config.num_heads, config.num_kv_heads,
+                       config.num_proxy_heads, config.num_proxy_kv_heads, config.top_k,
+                       config.head_dim);
 }
 
 // Contiguous [b, s, heads, dim] strides (the FlashAttention layout).

@@ -21,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "common/cases.h"
 #include "flashmsa/api.h"
 
 namespace flashmsa {
@@ -85,13 +86,9 @@ void* offset_bytes(const void* ptr, ptrdiff_t bytes) {
 class Problem {
  public:
   explicit Problem(const Config& config) : config_(config) {
-    shape_.batch = config.batch;
-    shape_.seqlen = config.seqlen;
-    shape_.num_heads = config.num_heads;
-    shape_.num_kv_heads = config.num_kv_heads;
-    shape_.num_proxy_heads = config.num_proxy_heads;
-    shape_.num_proxy_kv_heads = config.num_proxy_kv_heads;
-    shape_.top_k = config.top_k;
+    shape_ = cases::problem_shape(config.batch, config.seqlen, config.num_heads,
+                                  config.num_kv_heads, config.num_proxy_heads,
+                                  config.num_proxy_kv_heads, config.top_k);
 
     const int64_t heads = shape_.num_heads;
     const int64_t kv_heads = shape_.num_kv_heads;

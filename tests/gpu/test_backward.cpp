@@ -52,17 +52,8 @@ struct BackwardCase {
 void PrintTo(const BackwardCase& c, std::ostream* os) { *os << c.name; }
 
 ProblemShape shape_of(const BackwardCase& c) {
-  ProblemShape shape;
-  shape.batch = c.batch;
-  shape.seqlen = c.seqlen;
-  shape.num_heads = c.num_heads;
-  shape.num_kv_heads = c.num_kv_heads;
-  shape.num_proxy_heads = c.num_proxy_heads;
-  shape.num_proxy_kv_heads = c.num_proxy_kv_heads;
-  shape.head_dim = 128;
-  shape.proxy_head_dim = 128;
-  shape.top_k = c.top_k;
-  return shape;
+  return cases::problem_shape(c.batch, c.seqlen, c.num_heads, c.num_kv_heads, c.num_proxy_heads,
+                              c.num_proxy_kv_heads, c.top_k);
 }
 
 // Runs `task(part, parts)` for part = 0 … parts−1 on host threads.

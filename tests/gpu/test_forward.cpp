@@ -59,14 +59,8 @@ class ForwardTest : public ::testing::TestWithParam<ForwardCase> {};
 TEST_P(ForwardTest, MatchesReference) {
   FLASHMSA_REQUIRE_HOPPER();
   const ForwardCase& c = GetParam();
-  ProblemShape shape;
-  shape.batch = c.batch;
-  shape.seqlen = c.seqlen;
-  shape.num_heads = c.num_heads;
-  shape.num_kv_heads = c.num_kv_heads;
-  shape.num_proxy_heads = c.num_proxy_heads;
-  shape.num_proxy_kv_heads = c.num_proxy_kv_heads;
-  shape.top_k = c.top_k;
+  const ProblemShape shape = cases::problem_shape(c.batch, c.seqlen, c.num_heads, c.num_kv_heads,
+                                                  c.num_proxy_heads, c.num_proxy_kv_heads, c.top_k);
   const uint64_t seed = 1000 + c.seqlen * 7 + c.top_k;
   const reference::Inputs inputs = reference::random_inputs(shape, seed, c.dtype);
   const reference::QueryRows rows = sample_rows(c, seed);

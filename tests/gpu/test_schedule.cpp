@@ -109,14 +109,8 @@ class ScheduleTest : public ::testing::TestWithParam<ScheduleCase> {};
 TEST_P(ScheduleTest, MatchesHostInversion) {
   FLASHMSA_REQUIRE_HOPPER();
   const ScheduleCase& c = GetParam();
-  ProblemShape shape;
-  shape.batch = c.batch;
-  shape.seqlen = c.seqlen;
-  shape.num_heads = c.num_heads;
-  shape.num_kv_heads = c.num_kv_heads;
-  shape.num_proxy_heads = c.num_proxy_heads;
-  shape.num_proxy_kv_heads = 1;
-  shape.top_k = c.top_k;
+  const ProblemShape shape = cases::problem_shape(c.batch, c.seqlen, c.num_heads, c.num_kv_heads,
+                                                  c.num_proxy_heads, 1, c.top_k);
   const std::vector<int32_t> block_idx = forward_testing::random_selection(shape, 17 + c.seqlen);
   testing::DeviceBuffer<int32_t> device_idx(block_idx.size());
   device_idx.upload(block_idx);
