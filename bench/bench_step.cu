@@ -12,86 +12,9 @@
 #include "common/cases.h"
 #include "common/patterns.h"
 #include "flashmsa/api.h"
-#include "inputs.cuh"
+#include "step_buffers.cuh"
 
 namespace flashmsa::bench {
-namespace {
-
-// Every buffer of one step of one shape, and the params of the four ops pointing into them.
-struct StepBuffers {
-  explicit StepBuffers(const ProblemShape& shape)
-      : tokens(shape.batch * shape.seqlen),
-        q(gaussian_tensor(tokens * shape.num_heads * shape.head_dim, 1, DType::kBF16)),
-        k(gaussian_tensor(tokens * shape.num_kv_heads * shape.head_dim, 2, DType::kBF16)),
-        v(gaussian_tensor(tokens * shape.num_kv_heads * shape.head_dim, 3, DType::kBF16)),
-        q_proxy(gaussian_tensor(tokens * shape.num_proxy_heads * shape.proxy_head_dim, 4, DType::kBF16)),
-        k_proxy(gaussian_tensor(tokens * shape.num_proxy_kv_heads * shape.proxy_head_dim, 5, DType::kBF16)),
-        dout(gaussian_tensor(tokens * shape.num_heads * shape.head_dim, 6, DType::kBF16)),
-        out(q.size()), dq(q.size()), dk(k.size()), dv(v.size()),
-        dq_proxy(q_proxy.size()), dk_proxy(k_proxy.size()),
-        block_idx(size_t(tokens * shape.num_proxy_heads * shape.top_k)),
-        lse(size_t(tokens * shape.num_heads)), proxy_lse(size_t(tokens * shape.num_proxy_heads)),
-        kl(1), kl_grad(constant_tensor(1, 1.f)),
-        schedule_workspace(schedule_workspace_size(shape)),
-        forward_workspace(forward_workspace_size(shape, Mode::kSparse)),
-        backward_workspace(backward_workspace_size(shape, Mode::kSparse, false)) {
-    auto view = [&](const testing::DeviceBuffer<uint16_t>& buffer, int heads, int dim) {
-      return cases::bshd(buffer.get(), shape, heads, dim);
-    };
-    const int D = shape.head_dim;
-    const int Di = shape.proxy_head_dim;
-    select_params = {shape, DType::kBF16, 0.f, view(q_proxy, shape.num_proxy_heads, Di),
-                     view(k_proxy, shape.num_proxy_kv_heads, Di), block_idx.get()};
-    schedule_params = {shape, block_idx.get(), schedule_workspace.get()};
-    ForwardParams& fwd = backward_params.fwd;
-    fwd.shape = shape;
-    fwd.dtype = DType::kBF16;
-    fwd.q = view(q, shape.num_heads, D);
-    fwd.k = view(k, shape.num_kv_heads, D);
-    fwd.v = view(v, shape.num_kv_heads, D);
-    fwd.q_proxy = select_params.q_proxy;
-    fwd.k_proxy = select_params.k_proxy;
-    fwd.block_idx = block_idx.get();
-    fwd.schedule = schedule_workspace.get();
-    fwd.out = view(out, shape.num_heads, D);
-    fwd.lse = lse.get();
-    fwd.proxy_lse = proxy_lse.get();
-    fwd.kl = kl.get();
-    fwd.workspace = forward_workspace.get();
-    backward_params.dout = view(dout, shape.num_heads, D);
-    backward_params.kl_grad = kl_grad.get();
-    backward_params.dq = view(dq, shape.num_heads, D);
-    backward_params.dk = view(dk, shape.num_kv_heads, D);
-    backward_params.dv = view(dv, shape.num_kv_heads, D);
-    backward_params.dq_proxy = view(dq_proxy, shape.num_proxy_heads, Di);
-    backward_params.dk_proxy = view(dk_proxy, shape.num_proxy_kv_heads, Di);
-    backward_params.workspace = backward_workspace.get();
-  }
-
-  // schedule + forward + backward; the first failing op's status.
-  Status forward_backward(cudaStream_t stream) const {
-    if (Status status = schedule(schedule_params, stream); !status.ok()) return status;
-    if (Status status = forward(backward_params.fwd, stream); !status.ok()) return status;
-    return backward(backward_params, stream);
-  }
-
-  Status step(cudaStream_t stream) const {
-    if (Status status = select(select_params, stream); !status.ok()) return status;
-    return forward_backward(stream);
-  }
-
-  int64_t tokens;
-  testing::DeviceBuffer<uint16_t> q, k, v, q_proxy, k_proxy, dout;
-  testing::DeviceBuffer<uint16_t> out, dq, dk, dv, dq_proxy, dk_proxy;
-  testing::DeviceBuffer<int32_t> block_idx;
-  testing::DeviceBuffer<float> lse, proxy_lse, kl, kl_grad;
-  testing::DeviceBuffer<char> schedule_workspace, forward_workspace, backward_workspace;
-  SelectParams select_params;
-  ScheduleParams schedule_params;
-  BackwardParams backward_params;
-};
-
-}  // namespace
 
 FLASHMSA_BENCH(step, bench_step) {
   cudaStream_t stream;
