@@ -5,7 +5,7 @@
 // Comes before: forward/kernel.cuh (the partials of the chunk). Last stage of the forward.
 //
 // One warp per (row, head); lane l owns dims 4l … 4l+3, so every partial row is one coalesced
-// 256-byte read. Slots past the first −1 of block_idx were never written and are skipped.
+// 256-byte read. Slots whose block_idx entry is −1 were never written and are skipped.
 #pragma once
 
 #include <cstdint>
@@ -92,23 +92,28 @@ __global__ void __launch_bounds__(256) sparse_forward_combine(const CombineArgs<
   // ---- weighted sum of the partial outputs --------------------------------------------------
   const Half4* partial = reinterpret_cast<const Half4*>(args.partial_out + partial_row * K * kHeadDim) + lane;
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll 4
-  for (int slot = 0; slot < 32 && slot < K; ++slot) {
-    const float weight = __shfl_sync(0xffffffffu, weight0, slot);
-    if ((valid_mask0 >> slot) & 1u) {
-      float values[4];
-      unpack4<Element>(partial[slot * (kHeadDim / 4)], values);
+  // Eight slots are loaded before any is used, so their memory latencies overlap. Slots that were
+  // never written hold stale bytes (possibly NaN patterns): they are discarded by a select, never
+  // multiplied by a zero weight.
 #pragma unroll
-      for (int d = 0; d < 4; ++d) acc[d] += weight * values[d];
+  for (int first = 0; first < kMaxTopK; first += 8) {
+    if (first >= K) break;
+    Half4 loaded[8];
+#pragma unroll
+    for (int u = 0; u < 8; ++u) {
+      if (first + u < K) loaded[u] = partial[(first + u) * (kHeadDim / 4)];
     }
-  }
-  for (int slot = 32; slot < K; ++slot) {
-    const float weight = __shfl_sync(0xffffffffu, weight1, slot - 32);
-    if ((valid_mask1 >> (slot - 32)) & 1u) {
-      float values[4];
-      unpack4<Element>(partial[slot * (kHeadDim / 4)], values);
 #pragma unroll
-      for (int d = 0; d < 4; ++d) acc[d] += weight * values[d];
+    for (int u = 0; u < 8; ++u) {
+      const int slot = first + u;
+      if (slot < K) {
+        const float weight = __shfl_sync(0xffffffffu, slot < 32 ? weight0 : weight1, slot & 31);
+        const bool valid = (((slot < 32 ? valid_mask0 : valid_mask1) >> (slot & 31)) & 1u) != 0;
+        float values[4];
+        unpack4<Element>(loaded[u], values);
+#pragma unroll
+        for (int d = 0; d < 4; ++d) acc[d] += valid ? weight * values[d] : 0.f;
+      }
     }
   }
   Half4 packed;

@@ -8,6 +8,7 @@
 
 #include "kernels/forward/combine.cuh"
 #include "kernels/forward/kernel.cuh"
+#include "kernels/forward/pipelined_kernel.cuh"
 #include "kernels/launch.h"
 
 namespace flashmsa::kernels::forward {
@@ -85,39 +86,55 @@ Status run_forward(const ForwardParams& params, cudaStream_t stream) {
   combine_args.heads_per_proxy = shape.heads_per_proxy();
   combine_args.top_k = shape.top_k;
 
-  const size_t smem = tile_smem_bytes(shape);
-  if (Status s = cuda_status(cudaFuncSetAttribute(sparse_forward_tiles<Element>,
-                                                  cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
-                             "shared memory");
-      !s.ok()) {
-    return s;
-  }
   int device = 0;
   int num_sms = 0;
-  int blocks_per_sm = 0;
   if (Status s = cuda_status(cudaGetDevice(&device), "device"); !s.ok()) return s;
   if (Status s = cuda_status(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device), "SMs");
       !s.ok()) {
     return s;
   }
-  if (Status s = cuda_status(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-                                 &blocks_per_sm, sparse_forward_tiles<Element>, kThreads, smem),
-                             "occupancy");
-      !s.ok()) {
-    return s;
-  }
-  const int64_t total_rows = shape.batch * shape.seqlen;
   // A chunk has at most ⌈rows / tokens⌉ · Hp · K tiles plus one partial tile per list; the grid
   // never needs more CTAs than that.
   const int64_t chunk_tile_bound = (layout.chunk_rows * shape.num_proxy_heads * shape.top_k) /
                                        tile_args.tokens_per_tile + tile_args.keys_per_chunk;
+  const bool pipelined = pipelined_supported(shape);
+  const PipelinedLayout pipelined_layout = make_pipelined_layout(shape);
+  const size_t smem = pipelined ? pipelined_layout.total : tile_smem_bytes(shape);
+  int blocks_per_sm = 1;
+  if (pipelined) {
+    if (Status s = cuda_status(cudaFuncSetAttribute(sparse_forward_pipelined<Element>,
+                                                    cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
+                               "shared memory");
+        !s.ok()) {
+      return s;
+    }
+  } else {
+    if (Status s = cuda_status(cudaFuncSetAttribute(sparse_forward_tiles<Element>,
+                                                    cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
+                               "shared memory");
+        !s.ok()) {
+      return s;
+    }
+    if (Status s = cuda_status(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+                                   &blocks_per_sm, sparse_forward_tiles<Element>, kThreads, smem),
+                               "occupancy");
+        !s.ok()) {
+      return s;
+    }
+  }
   const int64_t grid = std::min<int64_t>(int64_t(num_sms) * std::max(blocks_per_sm, 1), chunk_tile_bound);
+  const int64_t total_rows = shape.batch * shape.seqlen;
 
   for (int64_t chunk = 0; chunk < schedule::num_chunks(shape); ++chunk) {
     const int64_t first_row = chunk * layout.chunk_rows;
     tile_args.first_key = chunk * tile_args.keys_per_chunk;
     tile_args.chunk_first_row = first_row;
-    sparse_forward_tiles<Element><<<unsigned(grid), kThreads, smem, stream>>>(tile_args);
+    if (pipelined) {
+      sparse_forward_pipelined<Element><<<unsigned(grid), kPipelinedThreads, smem, stream>>>(tile_args,
+                                                                                            pipelined_layout);
+    } else {
+      sparse_forward_tiles<Element><<<unsigned(grid), kThreads, smem, stream>>>(tile_args);
+    }
     if (Status s = cuda_status(cudaGetLastError(), "tile kernel"); !s.ok()) return s;
 
     combine_args.chunk_first_row = first_row;

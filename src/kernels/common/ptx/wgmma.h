@@ -27,6 +27,18 @@ __device__ __forceinline__ uint64_t make_sw128_kmajor_desc(const void* tile) {
   return start | (kLeadingByteOffset << 16) | (kStrideByteOffset << 32) | (kSwizzle128B << 62);
 }
 
+// Descriptor of an MN-major operand (the B of P·V: V stored [key][dim], dims contiguous) with the
+// 128-byte swizzle: rows of 64 16-bit elements along MN, one row per k, 8-k atoms of 1024 bytes
+// (stride byte offset) and the next 64 MN elements `mn_stride_bytes` further (leading byte
+// offset). A k-step of 16 adds 2048 bytes to the start address.
+__device__ __forceinline__ uint64_t make_sw128_mnmajor_desc(const void* tile, uint32_t mn_stride_bytes) {
+  const uint64_t start = (smem_address(tile) & 0x3FFFF) >> 4;
+  const uint64_t leading = mn_stride_bytes >> 4;
+  constexpr uint64_t kStrideByteOffset = 1024 >> 4;
+  constexpr uint64_t kSwizzle128B = 1;
+  return start | (leading << 16) | (kStrideByteOffset << 32) | (kSwizzle128B << 62);
+}
+
 // Advances a descriptor by `bytes` (a multiple of 16) along its start address.
 __device__ __forceinline__ uint64_t advance_desc(uint64_t desc, uint32_t bytes) {
   return desc + (bytes >> 4);
@@ -119,7 +131,9 @@ __device__ __forceinline__ void wgmma_m64n128k16_f16(float (&d)[64], uint64_t de
 }
 
 // D[64x128] (+)= A[64x16] · B[128x16]ᵀ, bf16 inputs, fp32 accumulators; A from registers (the
-// fragment ldmatrix_x4 loads: rows 16w + l/4 (+8), k 2(l%4) (+8)), B K-major in shared memory.
+// fragment ldmatrix_x4 loads: rows 16w + l/4 (+8), k 2(l%4) (+8)), B in shared memory, K-major
+// (kTransposeB = 0) or MN-major (kTransposeB = 1, see make_sw128_mnmajor_desc).
+template <int kTransposeB = 0>
 __device__ __forceinline__ void wgmma_m64n128k16_rs_bf16(float (&d)[64], const uint32_t (&a)[4],
                                                       uint64_t desc_b, uint32_t scale_d) {
   asm volatile(
@@ -131,7 +145,7 @@ __device__ __forceinline__ void wgmma_m64n128k16_rs_bf16(float (&d)[64], const u
       "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"
       "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"
       "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-      "}, {%64, %65, %66, %67}, %68, accumulate, 1, 1, 0;\n"
+      "}, {%64, %65, %66, %67}, %68, accumulate, 1, 1, %70;\n"
       "}\n"
       :
         "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
@@ -142,11 +156,13 @@ __device__ __forceinline__ void wgmma_m64n128k16_rs_bf16(float (&d)[64], const u
         "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
         "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
         "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d), "n"(kTransposeB));
 }
 
 // D[64x128] (+)= A[64x16] · B[128x16]ᵀ, f16 inputs, fp32 accumulators; A from registers (the
-// fragment ldmatrix_x4 loads: rows 16w + l/4 (+8), k 2(l%4) (+8)), B K-major in shared memory.
+// fragment ldmatrix_x4 loads: rows 16w + l/4 (+8), k 2(l%4) (+8)), B in shared memory, K-major
+// (kTransposeB = 0) or MN-major (kTransposeB = 1, see make_sw128_mnmajor_desc).
+template <int kTransposeB = 0>
 __device__ __forceinline__ void wgmma_m64n128k16_rs_f16(float (&d)[64], const uint32_t (&a)[4],
                                                       uint64_t desc_b, uint32_t scale_d) {
   asm volatile(
@@ -158,7 +174,7 @@ __device__ __forceinline__ void wgmma_m64n128k16_rs_f16(float (&d)[64], const ui
       "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"
       "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"
       "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-      "}, {%64, %65, %66, %67}, %68, accumulate, 1, 1, 0;\n"
+      "}, {%64, %65, %66, %67}, %68, accumulate, 1, 1, %70;\n"
       "}\n"
       :
         "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
@@ -169,7 +185,7 @@ __device__ __forceinline__ void wgmma_m64n128k16_rs_f16(float (&d)[64], const ui
         "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
         "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
         "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d), "n"(kTransposeB));
 }
 
 // The instruction for a 16-bit element type.
@@ -182,9 +198,10 @@ struct Wgmma64x128x16<__nv_bfloat16> {
                                              uint32_t scale_d) {
     wgmma_m64n128k16_bf16(d, desc_a, desc_b, scale_d);
   }
+  template <int kTransposeB = 0>
   __device__ __forceinline__ static void run(float (&d)[64], const uint32_t (&a)[4], uint64_t desc_b,
                                              uint32_t scale_d) {
-    wgmma_m64n128k16_rs_bf16(d, a, desc_b, scale_d);
+    wgmma_m64n128k16_rs_bf16<kTransposeB>(d, a, desc_b, scale_d);
   }
 };
 
@@ -194,9 +211,10 @@ struct Wgmma64x128x16<__half> {
                                              uint32_t scale_d) {
     wgmma_m64n128k16_f16(d, desc_a, desc_b, scale_d);
   }
+  template <int kTransposeB = 0>
   __device__ __forceinline__ static void run(float (&d)[64], const uint32_t (&a)[4], uint64_t desc_b,
                                              uint32_t scale_d) {
-    wgmma_m64n128k16_rs_f16(d, a, desc_b, scale_d);
+    wgmma_m64n128k16_rs_f16<kTransposeB>(d, a, desc_b, scale_d);
   }
 };
 

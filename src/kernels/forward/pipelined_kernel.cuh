@@ -1,0 +1,424 @@
+// The sparse forward's tile kernel on Hopper tensor cores: warp-specialised, wgmma, two-stage
+// pipelined gathers. Same work tiles, same partial outputs as kernel.cuh (which remains the path
+// for M = H/Hp = 1, whose 128 proxy rows per tile do not fit this kernel's shared memory).
+//
+// Comes before: schedule/kernel.cuh (tiles, entries). Comes after: forward/combine.cuh. Shared
+// memory layout: forward/config.h (PipelinedLayout).
+//
+// Roles (3 warpgroups, one CTA per SM, each CTA owns a contiguous range of the chunk's tiles, so
+// consecutive tiles usually share their key block and K, V, k_proxy are loaded once per list):
+//   producer   warpgroup 0. Per tile: decodes the tile, writes its (row, slot) list to the stage's
+//              metadata, gathers the Q rows (token-major, the M heads of a token adjacent) and the
+//              proxy query rows with cp.async into stage t % 2; when the list key changes, first
+//              waits for the previous tile to finish and loads K, V and the proxy keys. The next
+//              tile's descriptor and entries are read while the copies fly.
+//   consumers  warpgroups 1-2, 64 query rows each:
+//              S = Q·Kᵀ      wgmma m64n128k16, both operands from shared memory (8 k-steps)
+//              proxy         meanwhile, each of the 8 consumer warps scores the proxy rows against
+//                            16 proxy keys (mma.sync) and keeps per-row (max, sum)
+//              softmax       one pass (a tile sees exactly one 128-key block), masks only in the
+//                            local and the last block; P rounded to the input dtype in registers
+//              O = P·V       wgmma m64n128k16 with P from registers, V MN-major in shared memory
+//              epilogue      O / l staged through the warpgroup's own Q rows, 256-byte rows to the
+//                            partial buffer; partial LSE; the proxy partial LSE of the tile's rows.
+//
+// NOTES: every copy is a 16-byte cp.async written with the 128-byte swizzle the wgmma descriptors
+// expect (16-byte chunk index XOR row % 8 inside 1024-byte atoms), so any strides and any head
+// map work, and keys past S are zero-filled. The producer waits for its own copies and fences the
+// async proxy before it arrives on the stage's barrier, since wgmma reads shared memory through
+// the async proxy.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "kernels/common/ptx/barrier.h"
+#include "kernels/common/ptx/warp_mma.h"
+#include "kernels/common/ptx/wgmma.h"
+#include "kernels/forward/kernel.cuh"
+
+namespace flashmsa::kernels::forward {
+
+// Per-stage metadata written by the producer and read by the consumers.
+struct StageMeta {
+  int32_t token_row[kTileRows];   // query position of each token of the tile (padding: never masked)
+  int32_t token_slot[kTileRows];  // slot of the block in that token's block_idx row
+  uint32_t key;                   // the schedule's list key (b, g, c, proxy head)
+  int32_t count;                  // tokens in the tile
+  int32_t unused[2];
+};
+static_assert(sizeof(StageMeta) == kStageMetaBytes, "forward/config.h sizes the metadata stages");
+
+// Element offset of (row, 16-byte chunk) in a 128-dim tile stored as two 64-dim halves of
+// `rows_per_half` rows of 128 bytes, with the 128-byte swizzle.
+__device__ __forceinline__ int sw128_offset(int rows_per_half, int row, int chunk) {
+  return (chunk >> 3) * rows_per_half * 64 + row * 64 + (((chunk & 7) ^ (row & 7)) << 3);
+}
+
+struct ListKey {
+  int b, kv_head, block, proxy_head;
+};
+
+template <typename Element>
+__device__ __forceinline__ ListKey decode_list_key(uint32_t key, const TileArgs<Element>& args) {
+  ListKey out;
+  const int proxy_local = int(key % uint32_t(args.proxy_heads_per_kv));
+  key /= uint32_t(args.proxy_heads_per_kv);
+  out.block = int(key % uint32_t(args.num_blocks));
+  key /= uint32_t(args.num_blocks);
+  out.kv_head = int(key % uint32_t(args.num_kv_heads));
+  key /= uint32_t(args.num_kv_heads);
+  out.b = int(key % uint32_t(args.batch));
+  out.proxy_head = out.kv_head * args.proxy_heads_per_kv + proxy_local;
+  return out;
+}
+
+// One thread's share of the cp.async copies of a 128-key block (keys ≥ S zero-filled).
+template <typename Element>
+__device__ __forceinline__ void load_key_block(Element* tile, const Strided<const Element>& source, int b,
+                                               int first_key, int head, int seqlen, int thread) {
+#pragma unroll 4
+  for (int index = thread; index < kTileRows * 16; index += kPipelinedProducerThreads) {
+    const int row = index >> 4;
+    const int chunk = index & 15;
+    const bool valid = first_key + row < seqlen;
+    const Element* src = valid ? source.row(b, first_key + row, head) + chunk * 8 : source.ptr;
+    ptx::cp_async_16(tile + sw128_offset(kTileRows, row, chunk), src, valid);
+  }
+}
+
+template <typename Element>
+__global__ void __launch_bounds__(kPipelinedThreads, 1)
+    sparse_forward_pipelined(const TileArgs<Element> args, const PipelinedLayout layout) {
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char* smem = smem_raw + ((1024 - (ptx::smem_address(smem_raw) & 1023)) & 1023);
+  constexpr int kTileElements = kTileRows * kHeadDim;
+  Element* q_stages = reinterpret_cast<Element*>(smem + layout.q);  // (stage, 2 halves, 128 rows, 64)
+  Element* k_tile = reinterpret_cast<Element*>(smem + layout.k);
+  Element* v_tile = reinterpret_cast<Element*>(smem + layout.v);
+  Element* kp_tile = reinterpret_cast<Element*>(smem + layout.kp);
+  Element* qp_stages = reinterpret_cast<Element*>(smem + layout.qp);  // (stage, 2 halves, prows, 64)
+  float2* stats = reinterpret_cast<float2*>(smem + layout.stats);     // (stage, 8 warps, prows)
+  StageMeta* meta = reinterpret_cast<StageMeta*>(smem + layout.meta);  // (stage)
+  uint64_t* barriers = reinterpret_cast<uint64_t*>(smem + layout.barriers);
+  uint64_t* q_full = barriers;       // (stage) producer -> consumers: Q, proxy Q, metadata landed
+  uint64_t* q_empty = barriers + 2;  // (stage) consumers -> producer: the stage is free again
+  uint64_t* kv_full = barriers + 4;  // producer -> consumers: K, V, proxy keys of a new list landed
+  const int prows = layout.proxy_rows;
+  const int qp_stage_elements = prows * kHeadDim;
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kPipelinedStages; ++s) {
+      ptx::mbarrier_init(&q_full[s], kPipelinedProducerThreads);
+      ptx::mbarrier_init(&q_empty[s], 2 * 128);
+    }
+    ptx::mbarrier_init(kv_full, kPipelinedProducerThreads);
+    ptx::fence_barrier_init();
+  }
+  __syncthreads();
+
+  const int M = args.heads_per_proxy;
+  const uint32_t* entries = args.header[0] == 1 ? args.entries[1] : args.entries[0];
+  const uint32_t begin = args.tile_offsets[args.first_key];
+  const uint32_t total = args.tile_offsets[args.first_key + args.keys_per_chunk] - begin;
+  const uint32_t lo = begin + uint32_t(uint64_t(total) * blockIdx.x / gridDim.x);
+  const int num_tiles = int(begin + uint32_t(uint64_t(total) * (blockIdx.x + 1) / gridDim.x) - lo);
+  const int warpgroup = threadIdx.x / 128;
+
+  if (warpgroup == 0) {
+    // ===================================== producer =====================================
+    ptx::warpgroup_registers_decrease<kPipelinedProducerRegisters>();
+    const int thread = threadIdx.x;
+    const int tile_rows = args.tokens_per_tile * M;
+    uint32_t last_key = 0xffffffffu;
+    uint4 tile = make_uint4(0, 0, 0, 0);
+    uint32_t entry = 0;
+    if (num_tiles > 0) {
+      tile = args.tiles[lo];
+      if (thread < int(tile.z)) entry = entries[tile.y + thread];
+    }
+    for (int t = 0; t < num_tiles; ++t) {
+      const int s = t & 1;
+      const uint32_t key_value = tile.x;
+      const ListKey key = decode_list_key(key_value, args);
+      const int count = int(tile.z);
+      const int first_key = key.block * kBlockSize;
+      const bool new_list = key_value != last_key;
+      ptx::mbarrier_wait(&q_empty[s], ((t >> 1) & 1) ^ 1);
+      // K, V and the proxy keys are overwritten only after the previous tile is done.
+      if (new_list && t > 0) ptx::mbarrier_wait(&q_empty[s ^ 1], ((t - 1) >> 1) & 1);
+
+      StageMeta& stage_meta = meta[s];
+      const bool has_entry = thread < count;
+      stage_meta.token_row[thread] =
+          has_entry ? int32_t(entry >> schedule::kSlotBits) : int32_t(first_key + kBlockSize - 1);
+      stage_meta.token_slot[thread] =
+          has_entry ? int32_t(entry & ((1u << schedule::kSlotBits) - 1)) : 0;
+      if (thread == 0) {
+        stage_meta.key = key_value;
+        stage_meta.count = count;
+      }
+      ptx::named_barrier_sync(4, kPipelinedProducerThreads);
+
+      Element* q_dst = q_stages + s * kTileElements;
+#pragma unroll 4
+      for (int index = thread; index < kTileRows * 16; index += kPipelinedProducerThreads) {
+        const int row = index >> 4;
+        const int chunk = index & 15;
+        const int token = row / M;
+        const bool valid = row < tile_rows && token < count;
+        const Element* src =
+            valid ? args.q.row(key.b, stage_meta.token_row[token], key.proxy_head * M + row % M) + chunk * 8
+                  : args.q.ptr;
+        ptx::cp_async_16(q_dst + sw128_offset(kTileRows, row, chunk), src, valid);
+      }
+      Element* qp_dst = qp_stages + s * qp_stage_elements;
+      for (int index = thread; index < prows * 16; index += kPipelinedProducerThreads) {
+        const int row = index >> 4;
+        const int chunk = index & 15;
+        const bool valid = row < count;
+        const Element* src =
+            valid ? args.q_proxy.row(key.b, stage_meta.token_row[row], key.proxy_head) + chunk * 8
+                  : args.q_proxy.ptr;
+        ptx::cp_async_16(qp_dst + sw128_offset(prows, row, chunk), src, valid);
+      }
+      if (new_list) {
+        load_key_block(k_tile, args.k, key.b, first_key, key.kv_head, args.seqlen, thread);
+        load_key_block(v_tile, args.v, key.b, first_key, key.kv_head, args.seqlen, thread);
+        load_key_block(kp_tile, args.k_proxy, key.b, first_key, key.proxy_head / args.proxy_ratio,
+                       args.seqlen, thread);
+      }
+      ptx::cp_async_commit();
+      if (t + 1 < num_tiles) {  // the next tile's descriptor and entries, under the copies
+        tile = args.tiles[lo + t + 1];
+        entry = thread < int(tile.z) ? entries[tile.y + thread] : 0u;
+      }
+      ptx::cp_async_wait<0>();
+      ptx::fence_proxy_async_shared();
+      if (new_list) ptx::mbarrier_arrive(kv_full);
+      ptx::mbarrier_arrive(&q_full[s]);
+      last_key = key_value;
+    }
+    return;
+  }
+
+  // ===================================== consumers =====================================
+  ptx::warpgroup_registers_increase<kPipelinedConsumerRegisters>();
+  using Mma = ptx::Wgmma64x128x16<Element>;
+  const int consumer = warpgroup - 1;                     // 0 or 1: rows 64·consumer …
+  const int consumer_thread = threadIdx.x - 128;          // 0 … 255
+  const int warp = (threadIdx.x / 32) % 4;                // warp inside the warpgroup
+  const int consumer_warp = consumer_thread / 32;         // 0 … 7: proxy keys 16·consumer_warp …
+  const int lane = threadIdx.x % 32;
+  uint32_t last_key = 0xffffffffu;
+  int lists_seen = 0;
+
+  for (int t = 0; t < num_tiles; ++t) {
+    const int s = t & 1;
+    ptx::mbarrier_wait(&q_full[s], (t >> 1) & 1);
+    const StageMeta& stage_meta = meta[s];
+    const uint32_t key_value = stage_meta.key;
+    const int count = stage_meta.count;
+    if (key_value != last_key) {
+      ptx::mbarrier_wait(kv_full, lists_seen & 1);
+      ++lists_seen;
+      last_key = key_value;
+    }
+    const ListKey key = decode_list_key(key_value, args);
+    const int first_key = key.block * kBlockSize;
+    // Keys past a row's query or past S exist only in the local block and the last block.
+    const bool need_mask =
+        stage_meta.token_row[0] < first_key + kBlockSize - 1 || first_key + kBlockSize > args.seqlen;
+    const int valid_rows = count * M;
+    Element* q_tile = q_stages + s * kTileElements;
+
+    // ---- S = Q·Kᵀ (async) ---------------------------------------------------------------------
+    // NOTES: both warpgroups always run their GEMMs, also when a short last tile leaves one of them
+    // only padding rows: a wgmma under a branch the compiler cannot prove warpgroup-uniform is
+    // serialised (ptxas C7518), which costs more than the rare wasted tile half.
+    float score[64];
+    {
+      ptx::wgmma_fence();
+#pragma unroll
+      for (int k_step = 0; k_step < kHeadDim / 16; ++k_step) {
+        const int half = k_step / 4;
+        const uint64_t desc_q = ptx::advance_desc(
+            ptx::make_sw128_kmajor_desc(q_tile + half * kTileRows * 64 + consumer * 64 * 64), (k_step % 4) * 32);
+        const uint64_t desc_k =
+            ptx::advance_desc(ptx::make_sw128_kmajor_desc(k_tile + half * kTileRows * 64), (k_step % 4) * 32);
+        Mma::run(score, desc_q, desc_k, k_step > 0 ? 1u : 0u);
+      }
+      ptx::wgmma_commit_group();
+    }
+
+    // ---- proxy scores of this warp's 16 keys (mma.sync, under the wgmma) -----------------------
+    {
+      const Element* qp_tile = qp_stages + s * qp_stage_elements;
+      float2* stage_stats = stats + (s * 8 + consumer_warp) * prows;
+      for (int m_tile = 0; m_tile < (count + 15) / 16; ++m_tile) {
+        float acc[2][4] = {};
+#pragma unroll
+        for (int k_step = 0; k_step < kHeadDim / 16; ++k_step) {
+          uint32_t a[4];
+          uint32_t b[4];
+          ptx::ldmatrix_x4(a, qp_tile + sw128_offset(prows, m_tile * 16 + lane % 16, k_step * 2 + lane / 16));
+          ptx::ldmatrix_x4(b, kp_tile + sw128_offset(kTileRows, consumer_warp * 16 + lane % 8 + (lane / 16) * 8,
+                                                     k_step * 2 + (lane / 8) % 2));
+          ptx::mma_16816<Element>(acc[0], a, b[0], b[1]);
+          ptx::mma_16816<Element>(acc[1], a, b[2], b[3]);
+        }
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int row = m_tile * 16 + half * 8 + lane / 4;
+          const int query = stage_meta.token_row[row];
+          float value[4];
+          float row_max = kNegInf;
+#pragma unroll
+          for (int n = 0; n < 2; ++n) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int key_pos = first_key + consumer_warp * 16 + n * 8 + (lane % 4) * 2 + e;
+              float x = acc[n][half * 2 + e] * args.proxy_scale_log2;
+              if (need_mask && (key_pos > query || key_pos >= args.seqlen)) x = kNegInf;
+              value[n * 2 + e] = x;
+              row_max = fmaxf(row_max, x);
+            }
+          }
+          row_max = quad_max(row_max);
+          const float base = row_max == kNegInf ? 0.f : row_max;
+          float row_sum = 0.f;
+#pragma unroll
+          for (int e = 0; e < 4; ++e) row_sum += exp2f(value[e] - base);
+          row_sum = quad_sum(row_sum);
+          if (lane % 4 == 0) stage_stats[row] = make_float2(row_max, row_sum);
+        }
+      }
+    }
+
+    // ---- softmax over the block, then O = P·V (async) -----------------------------------------
+    const int row0 = consumer * 64 + warp * 16 + lane / 4;  // this thread's rows: row0, row0 + 8
+    float out[64];
+    float scaled_max[2] = {0.f, 0.f};
+    float row_sum[2] = {0.f, 0.f};
+    {
+      ptx::wgmma_wait_group<0>();
+      ptx::fence_accumulators(score);
+      int query[2];
+#pragma unroll
+      for (int half = 0; half < 2; ++half) query[half] = stage_meta.token_row[min((row0 + half * 8) / M, kTileRows - 1)];
+      float row_max[2] = {kNegInf, kNegInf};
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            float& x = score[4 * j + 2 * half + e];
+            if (need_mask) {
+              const int key_pos = first_key + 8 * j + 2 * (lane % 4) + e;
+              if (key_pos > query[half] || key_pos >= args.seqlen) x = kNegInf;
+            }
+            row_max[half] = fmaxf(row_max[half], x);
+          }
+        }
+      }
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        row_max[half] = quad_max(row_max[half]);
+        scaled_max[half] = row_max[half] == kNegInf ? 0.f : row_max[half] * args.scale_log2;
+      }
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            float& x = score[4 * j + 2 * half + e];
+            x = exp2f(fmaf(x, args.scale_log2, -scaled_max[half]));
+            row_sum[half] += x;
+          }
+        }
+      }
+      uint32_t p_frag[8][4];
+#pragma unroll
+      for (int k_step = 0; k_step < 8; ++k_step) {
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          p_frag[k_step][r] = ptx::pack2<Element>(score[8 * k_step + 2 * r], score[8 * k_step + 2 * r + 1]);
+        }
+      }
+      ptx::wgmma_fence();
+#pragma unroll
+      for (int k_step = 0; k_step < 8; ++k_step) {
+        const uint64_t desc_v = ptx::make_sw128_mnmajor_desc(v_tile + k_step * 16 * 64, kTileRows * 128);
+        Mma::template run<1>(out, p_frag[k_step], desc_v, k_step > 0 ? 1u : 0u);
+      }
+      ptx::wgmma_commit_group();
+#pragma unroll
+      for (int half = 0; half < 2; ++half) row_sum[half] = quad_sum(row_sum[half]);
+      ptx::wgmma_wait_group<0>();
+      ptx::fence_accumulators(out);
+    }
+
+    // ---- proxy partial LSE of the tile's tokens ------------------------------------------------
+    ptx::named_barrier_sync(1, 2 * 128);
+    if (consumer_thread < count) {
+      const float2* tile_stats = stats + s * 8 * prows;
+      float total_max = kNegInf;
+#pragma unroll
+      for (int w = 0; w < 8; ++w) total_max = fmaxf(total_max, tile_stats[w * prows + consumer_thread].x);
+      float total_sum = 0.f;
+#pragma unroll
+      for (int w = 0; w < 8; ++w) {
+        const float2 stat = tile_stats[w * prows + consumer_thread];
+        if (stat.x != kNegInf) total_sum += stat.y * exp2f(stat.x - total_max);
+      }
+      const int64_t flat_row =
+          int64_t(key.b) * args.seqlen + stage_meta.token_row[consumer_thread] - args.chunk_first_row;
+      args.partial_proxy_lse[(flat_row * args.num_proxy_heads + key.proxy_head) * args.top_k +
+                             stage_meta.token_slot[consumer_thread]] = (total_max + log2f(total_sum)) * kLn2;
+    }
+
+    // ---- epilogue: O / l through this warpgroup's Q rows, partial LSE --------------------------
+    if (consumer * 64 < valid_rows) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int row = row0 + half * 8;
+        const float inverse = row_sum[half] > 0.f ? 1.f / row_sum[half] : 0.f;
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+          *reinterpret_cast<uint32_t*>(q_tile + sw128_offset(kTileRows, row, j) + (lane % 4) * 2) =
+              ptx::pack2<Element>(out[4 * j + 2 * half] * inverse, out[4 * j + 2 * half + 1] * inverse);
+        }
+        if (lane % 4 == 0 && row < valid_rows) {
+          const int token = row / M;
+          const int64_t flat_row = int64_t(key.b) * args.seqlen + stage_meta.token_row[token] - args.chunk_first_row;
+          const int head = key.proxy_head * M + row % M;
+          args.partial_lse[(flat_row * args.num_heads + head) * args.top_k + stage_meta.token_slot[token]] =
+              (scaled_max[half] + log2f(row_sum[half])) * kLn2;
+        }
+      }
+      ptx::named_barrier_sync(2 + consumer, 128);
+#pragma unroll
+      for (int it = 0; it < 8; ++it) {
+        const int index = it * 128 + (consumer_thread & 127);
+        const int row = consumer * 64 + index / 16;
+        const int chunk = index % 16;
+        if (row < valid_rows) {
+          const int token = row / M;
+          const int64_t flat_row = int64_t(key.b) * args.seqlen + stage_meta.token_row[token] - args.chunk_first_row;
+          const int head = key.proxy_head * M + row % M;
+          Element* dst = args.partial_out +
+                         ((flat_row * args.num_heads + head) * args.top_k + stage_meta.token_slot[token]) * kHeadDim +
+                         chunk * 8;
+          *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(q_tile + sw128_offset(kTileRows, row, chunk));
+        }
+      }
+    }
+    ptx::mbarrier_arrive(&q_empty[s]);
+  }
+}
+
+}  // namespace flashmsa::kernels::forward
