@@ -66,13 +66,17 @@ def main():
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
-    rows = []
-    for path in args.rows:
+    rows, skipped = [], []
+    for path in args.rows:  # a list of rows, or {"rows": [...], "skipped": [...]} (bench/anchors.py)
         try:
             with open(path) as f:
-                rows.extend(json.load(f))
+                data = json.load(f)
         except (OSError, ValueError) as error:
             print("results: skipping %s (%s)" % (path, error), file=sys.stderr)
+            continue
+        rows.extend(data["rows"] if isinstance(data, dict) else data)
+        if isinstance(data, dict):
+            skipped.extend(data.get("skipped", []))
     result = {
         "commit": args.commit,
         "gpu": args.gpu,
@@ -80,6 +84,7 @@ def main():
         "tests": {"flashmsa_gpu_tests": _total(test_counts(args.tests))},
         "suites": test_counts(args.tests),
         "rows": rows,
+        "skipped": skipped,  # anchors left out, each {"system", "S", "reason"}
     }
     python_counts = pytest_counts(args.python_tests)
     if python_counts is not None:
