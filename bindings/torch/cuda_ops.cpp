@@ -3,10 +3,12 @@
 // nothing here synchronises the host, so every op is CUDA-graph capturable.
 //
 // Comes after library.cpp (schemas) and tensor_args.cpp (checks); cpu_ops.cpp is its CPU twin.
-// Per op: check the caller's input (Check::kCallerInput), size and allocate the device buffers,
-// then call the API, which validates everything once more and launches.
+// Per op: check the caller's input (Check::kCallerInput), size and allocate the device buffers
+// (outputs, then one buffer for the schedule and the workspace), then call the API, which
+// validates everything once more and launches.
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
 #include <torch/library.h>
 
 #include "tensor_args.h"
@@ -27,19 +29,30 @@ cudaStream_t current_stream(const at::Tensor& like) {
   return c10::cuda::getCurrentCUDAStream(like.device().index()).stream();
 }
 
-// The reverse index of block_idx (sparse mode). The backward builds its own from block_idx;
+// The reverse index of block_idx (sparse mode), built in `workspace` (schedule_workspace_size()
+// bytes). The backward builds its own from block_idx;
 // NOTES: the forward's schedule is rebuilt here rather than saved from the forward, so that no
 // opaque byte buffer crosses the op boundary (fake tensors, opcheck and torch.compile see plain
 // outputs). It costs one schedule launch per backward (docs/design.md §3: < 0.1 ms at 128K).
-at::Tensor build_schedule(const ProblemShape& shape, const int32_t* block_idx,
-                          const at::Tensor& like, cudaStream_t stream, Op op) {
-  at::Tensor schedule = device_buffer(schedule_workspace_size(shape), like);
+void build_schedule(const ProblemShape& shape, const int32_t* block_idx, void* workspace,
+                    cudaStream_t stream, Op op) {
   ScheduleParams params;
   params.shape = shape;
   params.block_idx = block_idx;
-  params.workspace = pointer_or_null(schedule);
+  params.workspace = workspace;
   check_status(flashmsa::schedule(params, stream), op, Check::kFull);
-  return schedule;
+}
+
+size_t align_256(size_t bytes) { return (bytes + 255) / 256 * 256; }
+
+// A 0-valued fp32 scalar on the device of `like`, zeroed on `stream`.
+// NOTES: one cudaMemsetAsync rather than at::zeros, whose fill kernel goes through TensorIterator
+// and costs several µs more host time per call.
+at::Tensor zero_scalar(const at::Tensor& like, cudaStream_t stream, Op op) {
+  at::Tensor scalar = at::empty({}, like.options().dtype(at::kFloat));
+  const cudaError_t error = cudaMemsetAsync(scalar.data_ptr(), 0, sizeof(float), stream);
+  TORCH_CHECK(error == cudaSuccess, op_name(op), ": cudaMemsetAsync: ", cudaGetErrorString(error));
+  return scalar;
 }
 
 at::Tensor select_cuda(const at::Tensor& q_proxy, const at::Tensor& k_proxy, int64_t top_k,
@@ -75,16 +88,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_cuda(
   const ForwardOutputs outputs = allocate_forward_outputs(params, q);
   check_status(validate(params), op, Check::kCallerInput);
 
-  at::Tensor schedule;
+  // One device buffer for the schedule and the forward's workspace, in that order.
+  const size_t schedule_bytes =
+      params.mode == Mode::kSparse ? align_256(schedule_workspace_size(shape)) : 0;
+  const at::Tensor buffers =
+      device_buffer(schedule_bytes + forward_workspace_size(shape, params.mode), q);
+  char* base = static_cast<char*>(pointer_or_null(buffers));
   if (params.mode == Mode::kSparse) {
-    schedule = build_schedule(shape, params.block_idx, q, stream, op);
-    params.schedule = schedule.data_ptr();
+    build_schedule(shape, params.block_idx, base, stream, op);
+    params.schedule = base;
   }
-  const at::Tensor workspace = device_buffer(forward_workspace_size(shape, params.mode), q);
-  params.workspace = pointer_or_null(workspace);
+  params.workspace = buffers.numel() > int64_t(schedule_bytes) ? base + schedule_bytes : nullptr;
   check_status(flashmsa::forward(params, stream), op, Check::kFull);
-  return {outputs.out, outputs.lse, outputs.proxy_lse,
-          at::zeros({}, q.options().dtype(at::kFloat))};
+  return {outputs.out, outputs.lse, outputs.proxy_lse, zero_scalar(q, stream, op)};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_cuda(
@@ -106,19 +122,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   const cudaStream_t stream = current_stream(q);
   const InputGradients grads = allocate_backward_arguments(
       params, q, k, v, q_proxy, k_proxy, out, lse, proxy_lse, dout_view, kl_grad);
-  at::Tensor kl_value = at::zeros({}, q.options().dtype(at::kFloat));
+  // Written by the backward's last kernel (SPEC.md §3); no fill needed.
+  at::Tensor kl_value = at::empty({}, q.options().dtype(at::kFloat));
   params.fwd.kl = kl_value.data_ptr<float>();
   params.deterministic = deterministic;
   check_status(validate(params), op, Check::kCallerInput);
 
-  at::Tensor schedule;
+  // One device buffer for the schedule and the backward's workspace, in that order.
+  const size_t schedule_bytes =
+      params.fwd.mode == Mode::kSparse ? align_256(schedule_workspace_size(shape)) : 0;
+  const at::Tensor buffers = device_buffer(
+      schedule_bytes + backward_workspace_size(shape, params.fwd.mode, deterministic), q);
+  char* base = static_cast<char*>(pointer_or_null(buffers));
   if (params.fwd.mode == Mode::kSparse) {
-    schedule = build_schedule(shape, params.fwd.block_idx, q, stream, op);
-    params.fwd.schedule = schedule.data_ptr();
+    build_schedule(shape, params.fwd.block_idx, base, stream, op);
+    params.fwd.schedule = base;
   }
-  const at::Tensor workspace =
-      device_buffer(backward_workspace_size(shape, params.fwd.mode, deterministic), q);
-  params.workspace = pointer_or_null(workspace);
+  params.workspace = buffers.numel() > int64_t(schedule_bytes) ? base + schedule_bytes : nullptr;
   check_status(flashmsa::backward(params, stream), op, Check::kFull);
   return {grads.dq, grads.dk, grads.dv, grads.dq_proxy, grads.dk_proxy, kl_value};
 }

@@ -1,6 +1,7 @@
 // The `flashmsa` torch library: op schemas (this file), CPU implementations on the reference
-// (cpu_ops.cpp), CUDA implementations on the C++ API (cuda_ops.cpp). Fake (meta) implementations
-// and the autograd formula are registered from Python (python/flashmsa/_ops.py), once.
+// (cpu_ops.cpp), CUDA implementations on the C++ API (cuda_ops.cpp), the autograd formula of
+// forward (autograd.cpp). Fake (meta) implementations are registered from Python
+// (python/flashmsa/_ops.py), once.
 //
 // This library links libtorch only, never the Python C API, so the same libflashmsa_torch.so loads
 // into any Python with torch.ops.load_library and into C++ programs (include/flashmsa/torch.h,

@@ -13,8 +13,10 @@
 // Errors: a violated rule throws c10::ValueError naming the argument; a valid input without a
 // kernel in this build throws c10::NotImplementedError; device errors throw c10::Error.
 //
-// These are the raw ops, without autograd: a training step calls select, forward, then backward
-// with the upstream gradients (Python's flashmsa.msa_attention wires them into autograd).
+// forward() is differentiable (bindings/torch/autograd.cpp): when an input requires a gradient,
+// autograd records it, and its backward calls backward() below and hands the KL value to
+// `kl_sink` as its gradient. select() and backward() are not differentiable; a program may also
+// call backward() itself with the upstream gradients.
 #pragma once
 
 #include <ATen/Tensor.h>
@@ -33,8 +35,8 @@ at::Tensor select(const at::Tensor& q_proxy, const at::Tensor& k_proxy, int64_t 
 // SPEC.md §2, §5. Returns (out [B, S, H, D] contiguous, lse [B, H, S] fp32, proxy_lse [B, Hp, S]
 // fp32, kl) where kl is a 0-valued fp32 scalar that carries the KL's gradient: the KL value is
 // only known to the backward, which returns it. block_idx may be empty in warmup mode.
-// `deterministic` and `kl_sink` are not used here; they are part of the signature for autograd
-// (Python's flashmsa.msa_attention): the backward's KL value becomes the gradient of `kl_sink`.
+// `deterministic` and `kl_sink` are not used here; they are part of the signature for autograd:
+// the backward's KL value becomes the gradient of `kl_sink`.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& q_proxy,
     const at::Tensor& k_proxy, const std::optional<at::Tensor>& block_idx, int64_t top_k,

@@ -1,12 +1,12 @@
 """Loads libflashmsa_torch.so and registers what the C++ library leaves to Python.
 
 The .so (bindings/torch) defines the ops ``torch.ops.flashmsa.{select, forward, backward}`` with
-their CPU (fp64 reference) and CUDA (kernels) implementations. This module adds, once:
-
-* fake (meta) implementations, so torch.compile traces the ops without graph breaks;
-* the autograd formula of ``forward``: its backward calls ``flashmsa::backward``, and hands the
-  KL value that the backward returns to the optional ``kl_sink`` input as its gradient, so the
-  value reaches the caller through autograd itself (eager, torch.compile and CUDA graphs alike).
+their CPU (fp64 reference) and CUDA (kernels) implementations and the autograd formula of
+``forward`` (bindings/torch/autograd.cpp: its backward calls ``flashmsa::backward`` and hands the KL
+value that the backward returns to the optional ``kl_sink`` input as its gradient, so the value
+reaches the caller through autograd itself, in eager mode, torch.compile and CUDA graphs alike).
+This module adds, once, the fake (meta) implementations, so torch.compile traces the ops without
+graph breaks.
 
 The library is looked up in ``$FLASHMSA_TORCH_LIBRARY`` when set (e.g. a .so built on another
 machine), else next to this file, where ``pip install .`` puts it.
@@ -73,36 +73,3 @@ def _backward_fake(dout, kl_grad, q, k, v, q_proxy, k_proxy, block_idx, out, lse
                    attention_mode="sparse", softmax_scale=0.0, proxy_scale=0.0, deterministic=False):
     gradients = tuple(torch.empty_like(t) for t in (q, k, v, q_proxy, k_proxy))
     return gradients + (q.new_empty((), dtype=torch.float32),)
-
-
-# ---- autograd of flashmsa::forward ---------------------------------------------------------------
-
-
-def _setup_context(ctx, inputs, output):
-    (q, k, v, q_proxy, k_proxy, block_idx, top_k, mode, softmax_scale, proxy_scale, deterministic,
-     kl_sink) = inputs
-    out, lse, proxy_lse, _ = output
-    ctx.mark_non_differentiable(lse, proxy_lse)
-    ctx.save_for_backward(q, k, v, q_proxy, k_proxy, block_idx, out, lse, proxy_lse)
-    ctx.top_k = top_k
-    ctx.mode = mode
-    ctx.softmax_scale = softmax_scale
-    ctx.proxy_scale = proxy_scale
-    ctx.deterministic = deterministic
-    ctx.kl_sink_shape = None if kl_sink is None else kl_sink.shape
-
-
-def _backward(ctx, dout, dlse, dproxy_lse, dkl):
-    q, k, v, q_proxy, k_proxy, block_idx, out, lse, proxy_lse = ctx.saved_tensors
-    if dout is None:
-        dout = torch.zeros_like(out)
-    dq, dk, dv, dq_proxy, dk_proxy, kl_value = ops.backward(
-        dout, dkl, q, k, v, q_proxy, k_proxy, block_idx, out, lse, proxy_lse, ctx.top_k, ctx.mode,
-        ctx.softmax_scale, ctx.proxy_scale, ctx.deterministic)
-    kl_sink_grad = None
-    if ctx.kl_sink_shape is not None and ctx.needs_input_grad[11]:
-        kl_sink_grad = kl_value.reshape(ctx.kl_sink_shape)
-    return dq, dk, dv, dq_proxy, dk_proxy, None, None, None, None, None, None, kl_sink_grad
-
-
-torch.library.register_autograd("flashmsa::forward", _backward, setup_context=_setup_context)
