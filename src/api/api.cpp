@@ -4,8 +4,11 @@
 
 #include <cuda_runtime_api.h>
 
+#include <array>
+#include <atomic>
 #include <sstream>
 
+#include "kernels/common/device_cache.h"
 #include "kernels/launch.h"
 
 namespace flashmsa {
@@ -20,10 +23,6 @@ Status check_device() {
   return Status::Ok();
 }
 
-Status not_built(const char* op) {
-  return {StatusCode::kUnsupported, std::string(op) + ": this op has no CUDA kernel in this build"};
-}
-
 }  // namespace
 
 bool hopper_available() {
@@ -32,6 +31,15 @@ bool hopper_available() {
     cudaGetLastError();  // clear the sticky "no device" error
     return false;
   }
+  // NOTES: every op call checks the device, so the answer is kept per device (it cannot change
+  // while the process runs): 0 not asked yet, 1 sm_90, 2 anything else.
+  static std::array<std::atomic<int>, kernels::kMaxCachedDevices> answers{};
+  const bool cacheable = device >= 0 && device < kernels::kMaxCachedDevices;
+  if (cacheable) {
+    if (const int answer = answers[device].load(std::memory_order_relaxed); answer != 0) {
+      return answer == 1;
+    }
+  }
   int major = 0;
   int minor = 0;
   if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
@@ -39,7 +47,9 @@ bool hopper_available() {
     cudaGetLastError();
     return false;
   }
-  return major == 9 && minor == 0;
+  const bool hopper = major == 9 && minor == 0;
+  if (cacheable) answers[device].store(hopper ? 1 : 2, std::memory_order_relaxed);
+  return hopper;
 }
 
 std::string supported_combinations() {
@@ -65,13 +75,14 @@ Status schedule(const ScheduleParams& params, cudaStream_t stream) {
 Status forward(const ForwardParams& params, cudaStream_t stream) {
   if (Status status = validate(params); !status.ok()) return status;
   if (Status status = check_device(); !status.ok()) return status;
-  if (params.mode == Mode::kWarmup) return not_built("forward (warmup mode)");
+  if (params.mode == Mode::kWarmup) return kernels::launch_warmup_forward(params, stream);
   return kernels::launch_forward(params, stream);
 }
 
 Status backward(const BackwardParams& params, cudaStream_t stream) {
   if (Status status = validate(params); !status.ok()) return status;
   if (Status status = check_device(); !status.ok()) return status;
+  if (params.fwd.mode == Mode::kWarmup) return kernels::launch_warmup_backward(params, stream);
   return kernels::launch_backward(params, stream);
 }
 

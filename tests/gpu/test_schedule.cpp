@@ -2,7 +2,8 @@
 // inversion: every list holds exactly the (query, slot) entries that chose its block, in ascending
 // query order; every list is cut into ⌈n / tokens_per_tile⌉ tiles of ≤ tokens_per_tile entries in
 // order; the tile ranges of the chunks partition the tile list. The schedule is also captured in a
-// CUDA graph and replayed over a poisoned workspace, which must give the same result.
+// CUDA graph and replayed over a poisoned workspace, which must give the same result. Small cases
+// take the one-CTA path, larger ones the device-wide passes.
 #include <cuda_runtime.h>
 
 #include <cstring>
@@ -157,7 +158,12 @@ INSTANTIATE_TEST_SUITE_P(
                       ScheduleCase{"paper_s131072_k16", 64, 4, 4, 1, 131072, 16},
                       ScheduleCase{"specialized_s5000_k16", 64, 4, 16, 1, 5000, 16},
                       ScheduleCase{"odd_h48_hkv4_hp12_s777_k2", 48, 4, 12, 1, 777, 2},
-                      ScheduleCase{"m12_h48_hkv4_hp4_s300_k1", 48, 4, 4, 3, 300, 1}),
+                      ScheduleCase{"m12_h48_hkv4_hp4_s300_k1", 48, 4, 4, 3, 300, 1},
+                      // One-CTA path (kernels/schedule/kernel.cuh: ≤ 4096 entries) and its edge.
+                      ScheduleCase{"seed_s256_k2", 16, 2, 4, 1, 256, 2},
+                      ScheduleCase{"b2_h8_hkv2_hp2_s1000_k1", 8, 2, 2, 2, 1000, 1},
+                      ScheduleCase{"seed_s1024_k1_4096_entries", 16, 2, 4, 1, 1024, 1},
+                      ScheduleCase{"seed_s1025_k1_4100_entries", 16, 2, 4, 1, 1025, 1}),
     [](const ::testing::TestParamInfo<ScheduleCase>& info) { return std::string(info.param.name); });
 
 }  // namespace

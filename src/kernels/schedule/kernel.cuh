@@ -12,8 +12,12 @@
 //                      list's first entry; the list's tile count is ⌈length / tokens_per_tile⌉.
 //   4. exclusive scan  of the tile counts (CUB) -> the first tile of every list.
 //   5. write_tiles     one warp per key writes its tiles {key, first entry, count}.
+// Small problems (≤ 4096 entries and key rows) run all five passes in one CTA instead:
+// small_schedule, one launch (see its NOTES).
 #pragma once
 
+#include <cub/block/block_radix_sort.cuh>
+#include <cub/block/block_scan.cuh>
 #include <cub/device/device_radix_sort.cuh>
 #include <cub/device/device_scan.cuh>
 
@@ -36,11 +40,10 @@ struct KeyShape {
 };
 
 // ---- 1. keys ----------------------------------------------------------------------------------
-__global__ void build_keys(const int32_t* __restrict__ block_idx,  // [b, hp, s, k]
-                           KeyShape shape, int64_t entries, uint32_t* __restrict__ keys,
-                           uint32_t* __restrict__ values) {
-  const int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (e >= entries) return;
+// The list key of block_idx entry e (the sentinel for an empty slot) and its packed entry.
+__device__ __forceinline__ void entry_key_value(const int32_t* __restrict__ block_idx,  // [b, hp, s, k]
+                                                const KeyShape& shape, int64_t e, uint32_t* key,
+                                                uint32_t* value) {
   const int slot = int(e % shape.top_k);
   const int64_t row = e / shape.top_k;  // (b · Hp + p) · S + i
   const int64_t i = row % shape.seqlen;
@@ -48,18 +51,25 @@ __global__ void build_keys(const int32_t* __restrict__ block_idx,  // [b, hp, s,
   const int p = int(bp % shape.num_proxy_heads);
   const int64_t b = bp / shape.num_proxy_heads;
   const int32_t block = block_idx[e];
-  uint32_t key = shape.sentinel;
+  *key = shape.sentinel;
   if (block >= 0) {
     const int64_t chunk = (b * shape.seqlen + i) / shape.chunk_rows;
     const int g = p / shape.proxy_heads_per_kv;
     const int num_kv_heads = shape.num_proxy_heads / shape.proxy_heads_per_kv;
-    key = uint32_t(
+    *key = uint32_t(
         (((chunk * shape.batch + b) * num_kv_heads + g) * shape.num_blocks + block) *
             shape.proxy_heads_per_kv +
         p % shape.proxy_heads_per_kv);
   }
-  keys[e] = key;
-  values[e] = (uint32_t(i) << kSlotBits) | uint32_t(slot);
+  *value = (uint32_t(i) << kSlotBits) | uint32_t(slot);
+}
+
+__global__ void build_keys(const int32_t* __restrict__ block_idx,  // [b, hp, s, k]
+                           KeyShape shape, int64_t entries, uint32_t* __restrict__ keys,
+                           uint32_t* __restrict__ values) {
+  const int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (e >= entries) return;
+  entry_key_value(block_idx, shape, e, &keys[e], &values[e]);
 }
 
 // ---- 3. list bounds ---------------------------------------------------------------------------
@@ -76,6 +86,12 @@ __device__ __forceinline__ uint32_t lower_bound(const uint32_t* __restrict__ sor
     }
   }
   return low;
+}
+
+// The first index whose value is > key.
+__device__ __forceinline__ uint32_t upper_bound(const uint32_t* __restrict__ sorted, uint32_t count,
+                                                uint32_t key) {
+  return lower_bound(sorted, count, key + 1);
 }
 
 __global__ void list_bounds(const uint32_t* __restrict__ sorted_keys, uint32_t entries,
@@ -114,6 +130,95 @@ __global__ void write_tiles(const uint32_t* __restrict__ entry_offsets,
   }
 }
 
+// ---- small problems: every pass in one CTA ----------------------------------------------------
+// NOTES: at small S the schedule's cost is its host time: the five passes above are six launches
+// and CUB's occupancy queries (≈ 25 µs of host time per call on the H200 machine). When the
+// entries and the key table fit one CTA, this kernel does the same passes in shared memory with one
+// launch: keys, a stable block radix sort (cub::BlockRadixSort keeps the input order of equal
+// keys, like the device sort), list bounds by binary search, a block scan of the tile counts, and
+// the tiles. It writes what the device path writes (sorted entries in values[0], entry_offsets,
+// tile_offsets, tiles, header[0] = 0); tile_counts are left unwritten (nothing reads them).
+constexpr int kSmallThreads = 1024;
+constexpr int kSmallItems = 4;                                  // per thread, blocked
+constexpr int64_t kSmallCapacity = kSmallThreads * kSmallItems;  // entries, and key table rows
+
+inline bool fits_one_cta(const ScheduleLayout& layout) {
+  return layout.entries <= kSmallCapacity && layout.num_keys + 1 <= kSmallCapacity;
+}
+
+__global__ void __launch_bounds__(kSmallThreads)
+    small_schedule(const int32_t* __restrict__ block_idx,  // [b, hp, s, k]
+                   KeyShape shape, uint32_t entries, int key_bits, int tokens_per_tile,
+                   uint32_t* __restrict__ sorted_values,  // [entries]
+                   uint32_t* __restrict__ entry_offsets,  // [num_keys + 1]
+                   uint32_t* __restrict__ tile_offsets,   // [num_keys + 1]
+                   uint4* __restrict__ tiles, int32_t* __restrict__ header) {
+  using BlockSort = cub::BlockRadixSort<uint32_t, kSmallThreads, kSmallItems, uint32_t>;
+  using BlockScan = cub::BlockScan<uint32_t, kSmallThreads>;
+  struct Tables {
+    uint32_t keys[kSmallCapacity];          // sorted keys (entries of them are real)
+    uint32_t tile_offsets[kSmallCapacity];  // exclusive scan of the tile counts
+  };
+  __shared__ union {
+    typename BlockSort::TempStorage sort;
+    Tables tables;  // once the sort is done
+  } storage;
+  __shared__ typename BlockScan::TempStorage scan_storage;
+
+  const uint32_t num_keys = shape.sentinel;
+  const uint32_t padding_key = (1u << key_bits) - 1u;  // >= the sentinel: sorts after every entry
+  const uint32_t first_item = threadIdx.x * kSmallItems;
+
+  // 1-2. keys and the stable sort, items in blocked order (thread t holds t·4 .. t·4+3).
+  uint32_t keys[kSmallItems];
+  uint32_t values[kSmallItems];
+  for (int j = 0; j < kSmallItems; ++j) {
+    keys[j] = padding_key;
+    values[j] = 0;
+    if (first_item + j < entries) entry_key_value(block_idx, shape, first_item + j, &keys[j], &values[j]);
+  }
+  BlockSort(storage.sort).Sort(keys, values, 0, key_bits);
+  __syncthreads();  // the sort's storage becomes the tables
+  for (int j = 0; j < kSmallItems; ++j) {
+    storage.tables.keys[first_item + j] = keys[j];
+    if (first_item + j < entries) sorted_values[first_item + j] = values[j];
+  }
+  __syncthreads();
+
+  // 3-4. list bounds and the exclusive scan of the tile counts, key rows in blocked order.
+  uint32_t counts[kSmallItems];
+  for (int j = 0; j < kSmallItems; ++j) {
+    const uint32_t key = first_item + j;
+    counts[j] = 0;
+    if (key > num_keys) continue;
+    const uint32_t first = lower_bound(storage.tables.keys, entries, key);
+    entry_offsets[key] = first;
+    if (key == num_keys) continue;
+    const uint32_t last = lower_bound(storage.tables.keys, entries, key + 1);
+    counts[j] = (last - first + tokens_per_tile - 1) / tokens_per_tile;
+  }
+  uint32_t offsets[kSmallItems];
+  BlockScan(scan_storage).ExclusiveSum(counts, offsets);
+  for (int j = 0; j < kSmallItems; ++j) {
+    const uint32_t key = first_item + j;
+    storage.tables.tile_offsets[key] = offsets[j];
+    if (key <= num_keys) tile_offsets[key] = offsets[j];
+  }
+  __syncthreads();
+
+  // 5. tiles: thread-strided over all tiles; each finds its list in the scanned offsets.
+  const uint32_t total_tiles = storage.tables.tile_offsets[num_keys];
+  for (uint32_t tile = threadIdx.x; tile < total_tiles; tile += kSmallThreads) {
+    const uint32_t key = upper_bound(storage.tables.tile_offsets, num_keys + 1, tile) - 1;
+    const uint32_t first = lower_bound(storage.tables.keys, entries, key);
+    const uint32_t length = lower_bound(storage.tables.keys, entries, key + 1) - first;
+    const uint32_t begin = (tile - storage.tables.tile_offsets[key]) * tokens_per_tile;
+    const uint32_t rows = min(uint32_t(tokens_per_tile), length - begin);
+    tiles[tile] = make_uint4(key, first + begin, rows, 0u);
+  }
+  if (threadIdx.x == 0) header[0] = 0;  // the sorted entries are in values[0]
+}
+
 // ---- launcher ---------------------------------------------------------------------------------
 inline Status cuda_status(cudaError_t error, const char* what) {
   if (error == cudaSuccess) return Status::Ok();
@@ -146,6 +251,14 @@ inline Status run_schedule(const ScheduleParams& params, cudaStream_t stream) {
   key_shape.proxy_heads_per_kv = shape.num_proxy_heads / shape.num_kv_heads;
   key_shape.top_k = shape.top_k;
   key_shape.sentinel = num_keys;
+
+  if (fits_one_cta(layout)) {
+    small_schedule<<<1, kSmallThreads, 0, stream>>>(
+        params.block_idx, key_shape, uint32_t(entries), layout.key_bits, tokens,
+        at(layout.values[0]), at(layout.entry_offsets), at(layout.tile_offsets),
+        reinterpret_cast<uint4*>(base + layout.tiles), reinterpret_cast<int32_t*>(base + layout.header));
+    return cuda_status(cudaGetLastError(), "small_schedule");
+  }
 
   constexpr int kThreads = 256;
   build_keys<<<unsigned((layout.entries + kThreads - 1) / kThreads), kThreads, 0, stream>>>(

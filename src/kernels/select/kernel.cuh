@@ -48,6 +48,7 @@
 #include <cstdint>
 
 #include "flashmsa/api.h"
+#include "kernels/common/device_cache.h"
 #include "kernels/common/ptx/barrier.h"
 #include "kernels/common/ptx/tma.h"
 #include "kernels/common/ptx/wgmma.h"
@@ -380,10 +381,9 @@ Status run_select(const SelectParams& params, cudaStream_t stream) {
   auto kernel = select_kernel<Element, Bucket::kMaxKeep, Bucket::kStages>;
   int device = 0;
   int num_sms = 0;
-  cudaError_t error = cudaGetDevice(&device);
-  if (error == cudaSuccess) error = cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device);
+  cudaError_t error = current_device_sms(&device, &num_sms);
   if (error == cudaSuccess) {
-    error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+    error = set_max_dynamic_smem(reinterpret_cast<const void*>(kernel), device, kSmemBytes);
   }
   if (error != cudaSuccess) return {StatusCode::kCudaError, cudaGetErrorString(error)};
   if (kernel_params.num_tiles == 0) return Status::Ok();
