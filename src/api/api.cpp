@@ -23,10 +23,6 @@ Status check_device() {
   return Status::Ok();
 }
 
-Status not_built(const char* op) {
-  return {StatusCode::kUnsupported, std::string(op) + ": this op has no CUDA kernel in this build"};
-}
-
 }  // namespace
 
 bool hopper_available() {
@@ -79,13 +75,14 @@ Status schedule(const ScheduleParams& params, cudaStream_t stream) {
 Status forward(const ForwardParams& params, cudaStream_t stream) {
   if (Status status = validate(params); !status.ok()) return status;
   if (Status status = check_device(); !status.ok()) return status;
-  if (params.mode == Mode::kWarmup) return not_built("forward (warmup mode)");
+  if (params.mode == Mode::kWarmup) return kernels::launch_warmup_forward(params, stream);
   return kernels::launch_forward(params, stream);
 }
 
 Status backward(const BackwardParams& params, cudaStream_t stream) {
   if (Status status = validate(params); !status.ok()) return status;
   if (Status status = check_device(); !status.ok()) return status;
+  if (params.fwd.mode == Mode::kWarmup) return kernels::launch_warmup_backward(params, stream);
   return kernels::launch_backward(params, stream);
 }
 

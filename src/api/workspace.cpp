@@ -6,6 +6,7 @@
 
 #include "kernels/forward/config.h"
 #include "kernels/schedule/config.h"
+#include "kernels/warmup/config.h"
 
 namespace flashmsa {
 
@@ -16,16 +17,17 @@ size_t schedule_workspace_size(const ProblemShape& shape) {
 }
 
 // Sparse mode: the partials of one query chunk, ≤ 5 GB (kernels/forward/config.h). Warmup mode
-// has no forward kernel in this build.
+// accumulates O in registers and needs nothing (kernels/warmup/config.h).
 size_t forward_workspace_size(const ProblemShape& shape, Mode mode) {
   if (mode == Mode::kWarmup) return 0;
   return kernels::forward::make_forward_layout(shape).total;
 }
 
-// The backward's reverse index, Δ and fp32 accumulators (src/kernels/backward/config.h). Warmup
-// mode has no backward kernel yet and needs nothing.
+// Sparse mode: the backward's reverse index, Δ and fp32 accumulators
+// (src/kernels/backward/config.h). Warmup mode: Δ, the per-proxy-head dk_proxy sums and the per-row
+// KL terms (src/kernels/warmup/config.h), the same in deterministic mode (always deterministic).
 size_t backward_workspace_size(const ProblemShape& shape, Mode mode, bool deterministic) {
-  if (mode != Mode::kSparse) return 0;
+  if (mode == Mode::kWarmup) return kernels::warmup::workspace_layout(shape).total;
   return kernels::backward::workspace_layout(shape, deterministic).total;
 }
 

@@ -20,4 +20,9 @@ Status launch_forward(const ForwardParams& params, cudaStream_t stream);
 // Sparse backward (src/kernels/backward): kUnsupported for warmup mode and for H/Hp > 16.
 Status launch_backward(const BackwardParams& params, cudaStream_t stream);
 
+// Warmup mode (src/kernels/warmup): dense causal forward with the proxy LSE (kUnsupported for
+// H/Hp > 128), and its backward with the KL gradient and value (kUnsupported for H/Hp > 64).
+Status launch_warmup_forward(const ForwardParams& params, cudaStream_t stream);
+Status launch_warmup_backward(const BackwardParams& params, cudaStream_t stream);
+
 }  // namespace flashmsa::kernels

@@ -579,15 +579,5 @@ TEST(BackwardDeterministic, MatchesReference) {
   expect_rule("dk_proxy", g.dk_proxy, exact.dk_proxy, rounded.dk_proxy);
 }
 
-TEST(Backward, WarmupModeIsUnsupported) {
-  FLASHMSA_REQUIRE_HOPPER();
-  const BackwardCase c{"warmup", 1, 256, 4, 1, 1, 1, 2};
-  const HostProblem host = make_host_problem(c, 3);
-  DeviceProblem d;
-  make_device_problem(c, host, false, d);
-  d.params.fwd.mode = Mode::kWarmup;
-  EXPECT_EQ(backward(d.params, nullptr).code, StatusCode::kUnsupported);
-}
-
 }  // namespace
 }  // namespace flashmsa
