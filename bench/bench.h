@@ -77,13 +77,14 @@ using BenchFunction = std::function<void(const Options&, std::vector<Row>&)>;
 struct Registration {
   std::string stage;
   BenchFunction function;
+  bool opt_in;  // runs only when named in --stages (a stage too slow for every default run)
 };
 
 std::vector<Registration>& registry();
 
 struct Registrar {
-  Registrar(const std::string& stage, BenchFunction function) {
-    registry().push_back({stage, std::move(function)});
+  Registrar(const std::string& stage, BenchFunction function, bool opt_in = false) {
+    registry().push_back({stage, std::move(function), opt_in});
   }
 };
 
@@ -94,4 +95,11 @@ struct Registrar {
   static void name(const ::flashmsa::bench::Options& options,                               \
                    std::vector<::flashmsa::bench::Row>& rows);                              \
   static ::flashmsa::bench::Registrar name##_registrar(#stage, name);                       \
+  static void name(const ::flashmsa::bench::Options& options, std::vector<::flashmsa::bench::Row>& rows)
+
+// The same for a stage that runs only when --stages names it.
+#define FLASHMSA_BENCH_OPT_IN(stage, name)                                                  \
+  static void name(const ::flashmsa::bench::Options& options,                               \
+                   std::vector<::flashmsa::bench::Row>& rows);                              \
+  static ::flashmsa::bench::Registrar name##_registrar(#stage, name, /*opt_in=*/true);      \
   static void name(const ::flashmsa::bench::Options& options, std::vector<::flashmsa::bench::Row>& rows)
