@@ -46,36 +46,41 @@ inline size_t tile_smem_bytes(const ProblemShape& shape) {
 // warpgroups of 64 rows, two stages of query rows, one CTA per SM.
 constexpr int kPipelinedThreads = 3 * 128;
 constexpr int kPipelinedProducerThreads = 128;
-constexpr int kPipelinedStages = 2;
+constexpr int kPipelinedMaxStages = 3;  // stages of query rows: 3 where shared memory allows, else 2
 constexpr int kPipelinedProducerRegisters = 56;   // 128·56 + 256·224 = 64512 ≤ 65536
 constexpr int kPipelinedConsumerRegisters = 224;
 
 // Byte offsets inside the pipelined kernel's shared memory (from a 1024-byte aligned base).
 struct PipelinedLayout {
+  int stages = 0;
   int proxy_rows = 0;  // proxy query rows per stage (tokens per tile rounded up to 16)
   uint32_t q = 0;      // (stage, 2 halves, 128 rows, 64) 16-bit, 128-byte swizzle
   uint32_t k = 0;      // (2 halves, 128 keys, 64)
   uint32_t v = 0;
   uint32_t kp = 0;     // proxy keys
   uint32_t qp = 0;     // (stage, 2 halves, proxy_rows, 64)
-  uint32_t stats = 0;  // fp32 pairs (stage, 8 consumer warps, proxy_rows)
+  uint32_t stats = 0;  // fp32 pairs (stage, 4 warps of the proxy's warpgroup, proxy_rows)
   uint32_t meta = 0;   // (stage) StageMeta, 1040 bytes each
   uint32_t barriers = 0;
   uint32_t total = 0;  // bytes to request, including the alignment slack
 };
 
-constexpr uint32_t kStageMetaBytes = 2 * kTileRows * 4 + 16;
+constexpr int kPipelinedMaxTokens = kTileRows / 2;  // tokens per tile for M ≥ 2
+constexpr uint32_t kStageMetaBytes = kPipelinedMaxTokens * (8 + 8 + 4 + 4) + 16;
 
 // The pipelined kernel serves M = H/Hp ≥ 2 (≤ 64 proxy rows per tile); M = 1 uses kernel.cuh.
 inline bool pipelined_supported(const ProblemShape& shape) { return shape.heads_per_proxy() >= 2; }
 
-inline PipelinedLayout make_pipelined_layout(const ProblemShape& shape) {
+constexpr uint32_t kMaxDynamicSharedBytes = 227 * 1024;
+
+inline PipelinedLayout make_pipelined_layout(const ProblemShape& shape, int stages) {
   PipelinedLayout layout;
+  layout.stages = stages;
   layout.proxy_rows = proxy_rows(shape);
   const uint32_t tile = kTileRows * kHeadDim * 2;
   uint32_t offset = 0;
   layout.q = offset;
-  offset += kPipelinedStages * tile;
+  offset += stages * tile;
   layout.k = offset;
   offset += tile;
   layout.v = offset;
@@ -83,15 +88,24 @@ inline PipelinedLayout make_pipelined_layout(const ProblemShape& shape) {
   layout.kp = offset;
   offset += tile;
   layout.qp = offset;
-  offset += kPipelinedStages * uint32_t(layout.proxy_rows) * kHeadDim * 2;
+  offset += stages * uint32_t(layout.proxy_rows) * kHeadDim * 2;
   layout.stats = offset;
-  offset += kPipelinedStages * 8 * uint32_t(layout.proxy_rows) * 8;
+  offset += stages * 4 * uint32_t(layout.proxy_rows) * 8;
   layout.meta = offset;
-  offset += kPipelinedStages * kStageMetaBytes;
+  offset += stages * kStageMetaBytes;
   layout.barriers = offset;
-  offset += 8 * 8;
+  offset += (2 * kPipelinedMaxStages + 1) * 8;
   layout.total = offset + 1024;
   return layout;
+}
+
+// The deepest pipeline that fits in shared memory.
+inline PipelinedLayout make_pipelined_layout(const ProblemShape& shape) {
+  for (int stages = kPipelinedMaxStages; stages > 2; --stages) {
+    const PipelinedLayout layout = make_pipelined_layout(shape, stages);
+    if (layout.total <= kMaxDynamicSharedBytes) return layout;
+  }
+  return make_pipelined_layout(shape, 2);
 }
 
 // Byte offsets of the per-chunk partial buffers inside the forward workspace (reused by every
