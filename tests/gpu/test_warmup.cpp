@@ -423,7 +423,9 @@ std::vector<WarmupCase> random_cases() {
       c.with_kl_grad = rng() % 8 != 0;
       c.with_kl_value = rng() % 4 != 0;
       c.sample = 0;
-      if (reference_seconds(c) > kCaseBudgetSeconds) c.sample = 12;
+      // 32 sampled rows: with a dozen, the largest error of one head's few rows is too noisy an
+      // estimate of the dtype reference's error for FA3's 2x rule (a 2.4x miss seen at 17 rows).
+      if (reference_seconds(c) > kCaseBudgetSeconds) c.sample = 32;
       if (reference_seconds(c) <= kCaseBudgetSeconds) break;
     }
     if (reference_seconds(c) > kCaseBudgetSeconds) continue;
