@@ -10,7 +10,8 @@
 # Environment: SEQLENS (default 8192,32768,131072), CONFIGS (default paper,specialized,seed),
 # ANCHORS=0 to skip the torch anchors, FLEX=0 to skip FlexAttention among them (its compile takes
 # minutes), LONG_SEQLENS (default 524288,1048576; 0 to skip): select and forward of the paper
-# config with the random pattern at those lengths.
+# config with the random pattern at those lengths, WARMUP_SEQLENS (default 8192,32768,131072; 0 to
+# skip): warmup-mode forward and forward + backward of the paper config.
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bin_dir="${1:-$root/build}"
@@ -48,6 +49,12 @@ if [[ "$long_seqlens" != "0" ]]; then
   "$bin_dir/flashmsa_bench" --stages select,forward --configs paper --patterns random \
     --seqlens "$long_seqlens" --out "$raw/long_rows.json" 2>&1 | tee -a "$raw/bench.log"
   row_files+=("$raw/long_rows.json")
+fi
+warmup_seqlens="${WARMUP_SEQLENS:-8192,32768,131072}"
+if [[ "$warmup_seqlens" != "0" ]]; then
+  "$bin_dir/flashmsa_bench" --stages warmup --configs paper --seqlens "$warmup_seqlens" --repeats 1 \
+    --out "$raw/warmup_rows.json" 2>&1 | tee -a "$raw/bench.log"
+  row_files+=("$raw/warmup_rows.json")
 fi
 
 anchor_rows=()
