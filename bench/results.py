@@ -6,24 +6,24 @@ import json
 import sys
 
 
-def test_counts(path):
-    """Counts passed/failed/skipped per suite of a GoogleTest JSON report."""
-    try:
-        with open(path) as f:
-            report = json.load(f)
-    except (OSError, ValueError):
-        return {}
+def test_counts(paths):
+    """Counts passed/failed/skipped per suite over GoogleTest JSON reports (one per shard)."""
     suites = {}
-    for suite in report.get("testsuites", []):
-        counts = {"passed": 0, "failed": 0, "skipped": 0}
-        for case in suite.get("testsuite", []):
-            if case.get("failures"):
-                counts["failed"] += 1
-            elif case.get("result") == "SKIPPED":
-                counts["skipped"] += 1
-            else:
-                counts["passed"] += 1
-        suites[suite["name"]] = counts
+    for path in paths:
+        try:
+            with open(path) as f:
+                report = json.load(f)
+        except (OSError, ValueError):
+            continue
+        for suite in report.get("testsuites", []):
+            counts = suites.setdefault(suite["name"], {"passed": 0, "failed": 0, "skipped": 0})
+            for case in suite.get("testsuite", []):
+                if case.get("failures"):
+                    counts["failed"] += 1
+                elif case.get("result") == "SKIPPED":
+                    counts["skipped"] += 1
+                else:
+                    counts["passed"] += 1
     return suites
 
 
@@ -60,7 +60,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--commit", required=True)
     parser.add_argument("--gpu", required=True)
-    parser.add_argument("--tests", required=True)
+    parser.add_argument("--tests", nargs="+", required=True)
     parser.add_argument("--python-tests", default="")
     parser.add_argument("--rows", nargs="*", default=[])
     parser.add_argument("--out", required=True)
