@@ -8,8 +8,9 @@
 # missing). The commit measured is read from BIN_DIR/COMMIT when present (binaries built elsewhere),
 # else from git. Results go to $RESULTS_DIR (default bench/results) as h200.json plus raw logs.
 # Environment: SEQLENS (default 8192,32768,131072), CONFIGS (default paper,specialized,seed),
-# ANCHORS=0 to skip the torch anchors, FLEX=0 to skip FlexAttention among them (its compile takes
-# minutes), LONG_SEQLENS (default 524288,1048576; 0 to skip): select and forward of the paper
+# ANCHORS=0 to skip the torch anchors, FLEX=0 to skip FlexAttention among them (tile-shared at
+# 8K/32K/128K, per-query at 8K, within FLEX_BUDGET_S, default 60 s, compile included),
+# ANCHOR_SEQLENS (default 4096 plus SEQLENS) for the dense and eager anchors (eager up to 8K), LONG_SEQLENS (default 524288,1048576; 0 to skip): select and forward of the paper
 # config with the random pattern at those lengths, WARMUP_SEQLENS (default 8192,32768,131072; 0 to
 # skip): warmup-mode forward and forward + backward of the paper config.
 set -uo pipefail
@@ -73,7 +74,8 @@ fi
 anchor_rows=()
 if [[ "${ANCHORS:-1}" != "0" ]]; then
   echo "== anchors (torch)"
-  PYTHONUNBUFFERED=1 python3 "$root/bench/anchors.py" --seqlens "$seqlens" --flex "${FLEX:-1}" \
+  PYTHONUNBUFFERED=1 python3 "$root/bench/anchors.py" --seqlens "${ANCHOR_SEQLENS:-4096,$seqlens}" \
+    --flex "${FLEX:-1}" --flex-budget-s "${FLEX_BUDGET_S:-60}" \
     --out "$raw/anchor_rows.json" 2>&1 | tee "$raw/anchors.log"
   [[ -f "$raw/anchor_rows.json" ]] && anchor_rows=("$raw/anchor_rows.json")
 fi

@@ -1,6 +1,7 @@
 // The dtype-free kernels of the backward (declared in schedule.cuh): the reverse index and the
 // ordered KL sum. Compiled once; the dtype instantiations of kernel.cuh call them.
 #include "kernels/backward/schedule.cuh"
+#include "kernels/common/device_cache.h"
 
 namespace flashmsa::kernels::backward {
 
@@ -152,14 +153,18 @@ Status build_schedule(const Problem& pb, cudaStream_t stream) {
   const ProblemShape& shape = pb.params.fwd.shape;
   const dim3 chunk_grid(unsigned(pb.num_chunks), unsigned(shape.num_proxy_heads), unsigned(shape.batch));
   const size_t count_smem = size_t(pb.num_blocks) * 4;
-  FLASHMSA_BACKWARD_CHECK(cudaFuncSetAttribute(count_selections_kernel,
-                                               cudaFuncAttributeMaxDynamicSharedMemorySize, int(count_smem)),
+  // Each limit is raised once per device, to the most any shape can ask (device_cache.h).
+  int device = 0;
+  FLASHMSA_BACKWARD_CHECK(cudaGetDevice(&device), "cudaGetDevice");
+  constexpr int kSmemLimit = 227 * 1024;
+  FLASHMSA_BACKWARD_CHECK(set_max_dynamic_smem(reinterpret_cast<const void*>(count_selections_kernel), device,
+                                               kSmemLimit),
                           "count_selections smem");
   count_selections_kernel<<<chunk_grid, kThreads, count_smem, stream>>>(pb);
   FLASHMSA_BACKWARD_CHECK(cudaGetLastError(), "count_selections");
 
-  FLASHMSA_BACKWARD_CHECK(cudaFuncSetAttribute(scan_lists_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                               int(count_smem)),
+  FLASHMSA_BACKWARD_CHECK(set_max_dynamic_smem(reinterpret_cast<const void*>(scan_lists_kernel), device,
+                                               kSmemLimit),
                           "scan_lists smem");
   scan_lists_kernel<<<unsigned(shape.batch * shape.num_proxy_heads), 1024, count_smem, stream>>>(pb);
   FLASHMSA_BACKWARD_CHECK(cudaGetLastError(), "scan_lists");
@@ -168,8 +173,8 @@ Status build_schedule(const Problem& pb, cudaStream_t stream) {
   FLASHMSA_BACKWARD_CHECK(cudaGetLastError(), "plan_items");
 
   const size_t fill_smem = (size_t(pb.num_blocks) + 4) * 4 + size_t(kRowsPerChunk) * shape.top_k * 4;
-  FLASHMSA_BACKWARD_CHECK(cudaFuncSetAttribute(fill_lists_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                               int(fill_smem)),
+  FLASHMSA_BACKWARD_CHECK(set_max_dynamic_smem(reinterpret_cast<const void*>(fill_lists_kernel), device,
+                                               kSmemLimit),
                           "fill_lists smem");
   fill_lists_kernel<<<chunk_grid, kThreads, fill_smem, stream>>>(pb);
   FLASHMSA_BACKWARD_CHECK(cudaGetLastError(), "fill_lists");

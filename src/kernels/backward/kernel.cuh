@@ -28,6 +28,7 @@
 
 #include "flashmsa/api.h"
 #include "kernels/backward/config.h"
+#include "kernels/common/device_cache.h"
 #include "kernels/backward/mma.cuh"
 #include "kernels/backward/schedule.cuh"
 
@@ -709,11 +710,9 @@ Status run_backward(const BackwardParams& params, cudaStream_t stream) {
   // ---- the tile kernel: one persistent CTA per SM -------------------------------------------------
   int device = 0;
   int sm_count = 0;
-  FLASHMSA_BACKWARD_CHECK(cudaGetDevice(&device), "cudaGetDevice");
-  FLASHMSA_BACKWARD_CHECK(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device),
-                          "multiprocessor count");
-  FLASHMSA_BACKWARD_CHECK(cudaFuncSetAttribute(backward_tiles_kernel<T>,
-                                               cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmemBytes)),
+  FLASHMSA_BACKWARD_CHECK(current_device_sms(&device, &sm_count), "device");
+  FLASHMSA_BACKWARD_CHECK(set_max_dynamic_smem(reinterpret_cast<const void*>(backward_tiles_kernel<T>), device,
+                                               int(kSmemBytes)),
                           "backward_tiles smem");
   backward_tiles_kernel<T><<<unsigned(sm_count), kThreads, kSmemBytes, stream>>>(pb);
   FLASHMSA_BACKWARD_CHECK(cudaGetLastError(), "backward_tiles");

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <string>
 
+#include "kernels/common/device_cache.h"
 #include "kernels/forward/combine.cuh"
 #include "kernels/forward/kernel.cuh"
 #include "kernels/forward/pipelined_kernel.cuh"
@@ -88,11 +89,7 @@ Status run_forward(const ForwardParams& params, cudaStream_t stream) {
 
   int device = 0;
   int num_sms = 0;
-  if (Status s = cuda_status(cudaGetDevice(&device), "device"); !s.ok()) return s;
-  if (Status s = cuda_status(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device), "SMs");
-      !s.ok()) {
-    return s;
-  }
+  if (Status s = cuda_status(current_device_sms(&device, &num_sms), "device"); !s.ok()) return s;
   // A chunk has at most ⌈rows / tokens⌉ · Hp · K tiles plus one partial tile per list; the grid
   // never needs more CTAs than that.
   const int64_t chunk_tile_bound = (layout.chunk_rows * shape.num_proxy_heads * shape.top_k) /
@@ -102,15 +99,16 @@ Status run_forward(const ForwardParams& params, cudaStream_t stream) {
   const size_t smem = pipelined ? pipelined_layout.total : tile_smem_bytes(shape);
   int blocks_per_sm = 1;
   if (pipelined) {
-    if (Status s = cuda_status(cudaFuncSetAttribute(sparse_forward_pipelined<Element>,
-                                                    cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
+    // The limit is raised once per device to the most any shape needs (cached in device_cache.h).
+    if (Status s = cuda_status(set_max_dynamic_smem(reinterpret_cast<const void*>(sparse_forward_pipelined<Element>),
+                                                    device, int(kMaxDynamicSharedBytes)),
                                "shared memory");
         !s.ok()) {
       return s;
     }
   } else {
-    if (Status s = cuda_status(cudaFuncSetAttribute(sparse_forward_tiles<Element>,
-                                                    cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
+    if (Status s = cuda_status(set_max_dynamic_smem(reinterpret_cast<const void*>(sparse_forward_tiles<Element>),
+                                                    device, int(smem)),
                                "shared memory");
         !s.ok()) {
       return s;
