@@ -153,18 +153,19 @@ Status build_schedule(const Problem& pb, cudaStream_t stream) {
   const ProblemShape& shape = pb.params.fwd.shape;
   const dim3 chunk_grid(unsigned(pb.num_chunks), unsigned(shape.num_proxy_heads), unsigned(shape.batch));
   const size_t count_smem = size_t(pb.num_blocks) * 4;
-  // Each limit is raised once per device, to the most any shape can ask (device_cache.h).
+  // Each limit is set only when this shape needs a different one than the last call (device_cache.h).
+  // NOTES: the exact size, not the 227 KB maximum: these kernels also have static shared memory,
+  // and static + dynamic must stay within the limit.
   int device = 0;
   FLASHMSA_BACKWARD_CHECK(cudaGetDevice(&device), "cudaGetDevice");
-  constexpr int kSmemLimit = 227 * 1024;
   FLASHMSA_BACKWARD_CHECK(set_max_dynamic_smem(reinterpret_cast<const void*>(count_selections_kernel), device,
-                                               kSmemLimit),
+                                               int(count_smem)),
                           "count_selections smem");
   count_selections_kernel<<<chunk_grid, kThreads, count_smem, stream>>>(pb);
   FLASHMSA_BACKWARD_CHECK(cudaGetLastError(), "count_selections");
 
   FLASHMSA_BACKWARD_CHECK(set_max_dynamic_smem(reinterpret_cast<const void*>(scan_lists_kernel), device,
-                                               kSmemLimit),
+                                               int(count_smem)),
                           "scan_lists smem");
   scan_lists_kernel<<<unsigned(shape.batch * shape.num_proxy_heads), 1024, count_smem, stream>>>(pb);
   FLASHMSA_BACKWARD_CHECK(cudaGetLastError(), "scan_lists");
@@ -174,7 +175,7 @@ Status build_schedule(const Problem& pb, cudaStream_t stream) {
 
   const size_t fill_smem = (size_t(pb.num_blocks) + 4) * 4 + size_t(kRowsPerChunk) * shape.top_k * 4;
   FLASHMSA_BACKWARD_CHECK(set_max_dynamic_smem(reinterpret_cast<const void*>(fill_lists_kernel), device,
-                                               kSmemLimit),
+                                               int(fill_smem)),
                           "fill_lists smem");
   fill_lists_kernel<<<chunk_grid, kThreads, fill_smem, stream>>>(pb);
   FLASHMSA_BACKWARD_CHECK(cudaGetLastError(), "fill_lists");
