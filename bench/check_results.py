@@ -1,5 +1,6 @@
 """CI check of the committed GPU results: bench/results/h200.json parses, follows the schema of
-SPEC.md "Results file" and names a commit of this repository. Passes with a message when the file
+SPEC.md "Results file" and names a commit of this repository (and so does every row that carries
+its own commit, from an earlier run). Passes with a message when the file
 does not exist yet."""
 import json
 import os
@@ -8,7 +9,12 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PATH = os.path.join(ROOT, "bench", "results", "h200.json")
-STAGES = {"select", "schedule", "forward", "backward", "fwd_bwd", "step", "warmup_fwd_bwd"}
+STAGES = {"select", "schedule", "forward", "backward", "fwd_bwd", "step", "warmup_fwd", "warmup_fwd_bwd"}
+
+
+def is_commit(sha):
+    return bool(sha) and subprocess.run(["git", "-C", ROOT, "cat-file", "-e", sha + "^{commit}"],
+                                        capture_output=True).returncode == 0
 
 
 def main():
@@ -19,9 +25,7 @@ def main():
         result = json.load(f)
     errors = []
     commit = result.get("commit", "")
-    known = subprocess.run(["git", "-C", ROOT, "cat-file", "-e", commit + "^{commit}"],
-                           capture_output=True).returncode == 0
-    if not known:
+    if not is_commit(commit):
         errors.append("commit %r is not a commit of this repository" % commit)
     for key in ("gpu", "date", "tests", "rows"):
         if key not in result:
@@ -34,6 +38,8 @@ def main():
             errors.append("rows[%d]: unknown stage %r" % (index, row.get("stage")))
         if not (isinstance(row.get("ms"), (int, float)) and row["ms"] > 0):
             errors.append("rows[%d]: ms must be a positive number" % index)
+        if "commit" in row and not is_commit(row["commit"]):  # a row carried from an earlier run
+            errors.append("rows[%d]: commit %r is not a commit of this repository" % (index, row["commit"]))
     for error in errors:
         print("check_results: " + error, file=sys.stderr)
     if errors:

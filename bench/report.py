@@ -39,9 +39,14 @@ def table(result):
              "TFLOP/s on counted FLOPs (docs/design.md §3). Dense and FlexAttention columns: "
              "the same stage of the paper configuration at the same S, same run." %
              (result["gpu"], result["commit"][:10], result["date"]), ""]
+    # Rows carried from earlier runs (bench/results.py --carry) name the commit they measured.
+    carried = any(r.get("commit") for r in rows if r["system"] == "flashmsa")
+    if carried:
+        lines[0] += (" Rows whose last column names another commit were carried from an earlier run "
+                     "of the GPU check (see the notes below the table).")
     lines.append("| stage | config | pattern | S | flashmsa ms | TFLOP/s | cuDNN dense ms | "
-                 "Flex tile-shared ms |")
-    lines.append("|---|---|---|---|---|---|---|---|")
+                 "Flex tile-shared ms |" + (" measured at |" if carried else ""))
+    lines.append("|---|---|---|---|---|---|---|---|" + ("---|" if carried else ""))
     ours = [r for r in rows if r["system"] == "flashmsa"]
     ours.sort(key=lambda r: (STAGE_ORDER.index(r["stage"]) if r["stage"] in STAGE_ORDER else 99,
                              r["config"], r["pattern"] or "", r["S"]))
@@ -52,7 +57,8 @@ def table(result):
         lines.append("| %s | %s | %s | %s | %.3f | %s | %s | %s |" % (
             r["stage"], r["config"], r["pattern"] or "-", fmt_seqlen(r["S"]), r["ms"],
             "%.0f" % r["tflops"] if r.get("tflops") else "-",
-            "%.2f" % dense_ms if dense_ms else "-", "%.2f" % flex_ms if flex_ms else "-"))
+            "%.2f" % dense_ms if dense_ms else "-", "%.2f" % flex_ms if flex_ms else "-") +
+                     ((" `%s` |" % r["commit"][:7] if r.get("commit") else " this run |") if carried else ""))
     lines.extend(anchor_table(result))
     tests = result.get("tests", {})
     for suite, counts in sorted(tests.items()):
@@ -116,13 +122,16 @@ def plots(result):
         for r in rows:
             if r["stage"] == stage:
                 label = r["system"] + (" (%s)" % r["pattern"] if r["pattern"] else "")
+                if r.get("commit"):  # carried from an earlier run: its own series, dashed
+                    label += " @%s" % r["commit"][:7]
                 series.setdefault(label, []).append((r["S"], r["ms"]))
         if not series:
             continue
         figure, axis = plt.subplots(figsize=(6.4, 4.2))
         for label, points in sorted(series.items()):
             points.sort()
-            axis.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label)
+            axis.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label,
+                      linestyle="--" if "@" in label else "-")
         axis.set_xscale("log", base=2)
         axis.set_yscale("log")
         axis.set_xlabel("sequence length S")

@@ -63,6 +63,10 @@ def main():
     parser.add_argument("--tests", nargs="+", required=True)
     parser.add_argument("--python-tests", default="")
     parser.add_argument("--rows", nargs="*", default=[])
+    parser.add_argument("--carry", default="",
+                        help="an earlier results file: its rows for (system, stage, config, pattern, S, "
+                             "B) that this run did not measure are kept, each with the commit it was "
+                             "measured at (for a run cut short; the README table shows that commit)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
@@ -77,6 +81,16 @@ def main():
         rows.extend(data["rows"] if isinstance(data, dict) else data)
         if isinstance(data, dict):
             skipped.extend(data.get("skipped", []))
+    if args.carry:
+        with open(args.carry) as f:
+            earlier = json.load(f)
+        key = lambda r: (r["system"], r["stage"], r["config"], r["pattern"], r["S"], r.get("B", 1))
+        measured = {key(r) for r in rows}
+        for row in earlier.get("rows", []):
+            if key(row) not in measured:
+                row = dict(row)
+                row.setdefault("commit", earlier["commit"])
+                rows.append(row)
     result = {
         "commit": args.commit,
         "gpu": args.gpu,
