@@ -1,6 +1,6 @@
 // The device helpers the backward's kernel.cuh calls: the swizzled tile offset, the warp-level
-// PTX wrappers of common/ptx/warp_mma.h (cp.async gathers, ldmatrix, m16n8k16 mma, 16-bit packing)
-// and the fp32 reduce-add of dQ.
+// PTX wrappers of common/ptx/warp_mma.h (cp.async gathers, ldmatrix, m16n8k16 mma, 16-bit packing),
+// the conversions of common/device_math.h and the fp32 reduce-add of dQ.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -8,6 +8,7 @@
 
 #include <cstdint>
 
+#include "kernels/common/device_math.h"
 #include "kernels/common/ptx/warp_mma.h"
 
 namespace flashmsa::kernels::backward {
@@ -29,20 +30,6 @@ __device__ __forceinline__ void cp_async_wait_all() {
   ptx::cp_async_commit();
   ptx::cp_async_wait<0>();
 }
-
-template <typename T>
-__device__ __forceinline__ float to_float(T x);
-template <>
-__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-template <>
-__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
-
-template <typename T>
-__device__ __forceinline__ T from_float(float x);
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float(float x) { return __float2bfloat16_rn(x); }
-template <>
-__device__ __forceinline__ __half from_float(float x) { return __float2half_rn(x); }
 
 // fp32 reduce-add of a pair (red.global.add.v2.f32 on sm_90).
 __device__ __forceinline__ void reduce_add2(float* address, float x, float y) {

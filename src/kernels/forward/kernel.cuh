@@ -21,6 +21,7 @@
 
 #include <cstdint>
 
+#include "kernels/common/device_math.h"
 #include "kernels/common/ptx/warp_mma.h"
 #include "kernels/forward/config.h"
 
@@ -70,18 +71,6 @@ __device__ __forceinline__ int swizzle(int row, int chunk) {
   return row * kHeadDim + ((chunk ^ (row & 7)) << 3);
 }
 
-constexpr float kLn2 = 0.69314718055994530942f;
-constexpr float kNegInf = -__builtin_huge_valf();
-
-__device__ __forceinline__ float quad_max(float x) {
-  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
-  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
-}
-
-__device__ __forceinline__ float quad_sum(float x) {
-  x += __shfl_xor_sync(0xffffffffu, x, 1);
-  return x + __shfl_xor_sync(0xffffffffu, x, 2);
-}
 
 // Issues the cp.async copies of a 128 × 128 key block (rows ≥ S are zero-filled).
 template <typename Element>

@@ -12,14 +12,13 @@
 #include <string>
 
 #include "flashmsa/api.h"
+#include "kernels/common/device_math.h"
 #include "kernels/common/ptx/warp_mma.h"
 #include "kernels/warmup/config.h"
 
 namespace flashmsa::kernels::warmup {
 
 constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.69314718055994530942f;
-constexpr float kNegInf = -__builtin_huge_valf();
 
 // A [b, s, heads, dim] view with element strides (params.h TensorRef, typed).
 template <typename T>
@@ -46,29 +45,6 @@ __device__ __forceinline__ int swizzle(int row, int col) {
   return row * kCols + ((((col >> 3) ^ (row & 7))) << 3) + (col & 7);
 }
 
-template <typename T>
-__device__ __forceinline__ float to_float(T x);
-template <>
-__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-template <>
-__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
-
-template <typename T>
-__device__ __forceinline__ T from_float(float x);
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float(float x) { return __float2bfloat16_rn(x); }
-template <>
-__device__ __forceinline__ __half from_float(float x) { return __float2half_rn(x); }
-
-__device__ __forceinline__ float quad_max(float x) {
-  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
-  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
-}
-
-__device__ __forceinline__ float quad_sum(float x) {
-  x += __shfl_xor_sync(0xffffffffu, x, 1);
-  return x + __shfl_xor_sync(0xffffffffu, x, 2);
-}
 
 // Issues the cp.async copies of `rows` rows of a [b, s, heads, 128] tensor, tokens first_token …,
 // into a swizzled [rows][128] tile; tokens ≥ seqlen become zeros (0 · garbage never makes NaN).

@@ -1,0 +1,41 @@
+// Small device helpers shared by the forward, backward and warmup kernels: 16-bit <-> fp32
+// conversions, the reductions over the four threads of an MMA quad (which hold one accumulator
+// row between them), and the constants of the log2-domain softmax.
+//
+// Layer 1 of the device utilities, next to ptx/ (kernels include both).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+namespace flashmsa::kernels {
+
+constexpr float kLn2 = 0.69314718055994530942f;
+constexpr float kNegInf = -__builtin_huge_valf();
+
+template <typename T>
+__device__ __forceinline__ float to_float(T x);
+template <>
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+template <>
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+
+template <typename T>
+__device__ __forceinline__ T from_float(float x);
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float(float x) { return __float2bfloat16_rn(x); }
+template <>
+__device__ __forceinline__ __half from_float(float x) { return __float2half_rn(x); }
+
+// Max / sum over the 4 lanes of a quad (lanes 4k … 4k+3), returned to all four.
+__device__ __forceinline__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+}  // namespace flashmsa::kernels
