@@ -12,7 +12,8 @@
 # 8K/32K/128K, per-query at 8K, within FLEX_BUDGET_S, default 60 s, compile included),
 # ANCHOR_SEQLENS (default 4096 plus SEQLENS) for the dense and eager anchors (eager up to 8K), LONG_SEQLENS (default 524288,1048576; 0 to skip): select and forward of the paper
 # config with the random pattern at those lengths, WARMUP_SEQLENS (default 8192,32768,131072; 0 to
-# skip): warmup-mode forward and forward + backward of the paper config.
+# skip): warmup-mode forward and forward + backward of the paper config, CARRY (an earlier results
+# file whose rows are kept, with their commit, for what this run does not measure).
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bin_dir="${1:-$root/build}"
@@ -80,10 +81,16 @@ if [[ "${ANCHORS:-1}" != "0" ]]; then
   [[ -f "$raw/anchor_rows.json" ]] && anchor_rows=("$raw/anchor_rows.json")
 fi
 
+# CARRY=<an earlier h200.json>: rows this run does not measure (e.g. ANCHORS=0, whose torch anchors
+# do not depend on flashmsa) are kept from it with the commit they were measured at.
+carry_args=()
+if [[ -n "${CARRY:-}" ]]; then
+  cp "$CARRY" "$raw/carry.json" && carry_args=(--carry "$raw/carry.json")
+fi
 write_results() {
   python3 "$root/bench/results.py" --commit "$commit" --gpu "$gpu" \
     --tests "$raw"/gpu_tests_*.json --python-tests "$raw/python_tests.xml" \
-    --rows "${row_files[@]}" "${anchor_rows[@]}" --out "$results_dir/h200.json"
+    --rows "${row_files[@]}" "${anchor_rows[@]}" "${carry_args[@]}" --out "$results_dir/h200.json"
 }
 write_results >/dev/null  # a first copy, so a PyTorch step cut short still leaves results
 
