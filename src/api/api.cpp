@@ -60,30 +60,40 @@ std::string supported_combinations() {
   return table.str();
 }
 
+// A launcher's CUDA error is reported in its Status; the runtime's last-error slot is cleared so
+// that the caller's next cudaGetLastError (or the next flashmsa call's launch check) does not see
+// it again. Sticky errors (a faulted context) cannot be cleared and stay visible to everyone.
+namespace {
+Status reported(Status status) {
+  if (status.code == StatusCode::kCudaError) (void)cudaGetLastError();
+  return status;
+}
+}  // namespace
+
 Status select(const SelectParams& params, cudaStream_t stream) {
   if (Status status = validate(params); !status.ok()) return status;
   if (Status status = check_device(); !status.ok()) return status;
-  return kernels::launch_select(params, stream);
+  return reported(kernels::launch_select(params, stream));
 }
 
 Status schedule(const ScheduleParams& params, cudaStream_t stream) {
   if (Status status = validate(params); !status.ok()) return status;
   if (Status status = check_device(); !status.ok()) return status;
-  return kernels::launch_schedule(params, stream);
+  return reported(kernels::launch_schedule(params, stream));
 }
 
 Status forward(const ForwardParams& params, cudaStream_t stream) {
   if (Status status = validate(params); !status.ok()) return status;
   if (Status status = check_device(); !status.ok()) return status;
-  if (params.mode == Mode::kWarmup) return kernels::launch_warmup_forward(params, stream);
-  return kernels::launch_forward(params, stream);
+  if (params.mode == Mode::kWarmup) return reported(kernels::launch_warmup_forward(params, stream));
+  return reported(kernels::launch_forward(params, stream));
 }
 
 Status backward(const BackwardParams& params, cudaStream_t stream) {
   if (Status status = validate(params); !status.ok()) return status;
   if (Status status = check_device(); !status.ok()) return status;
-  if (params.fwd.mode == Mode::kWarmup) return kernels::launch_warmup_backward(params, stream);
-  return kernels::launch_backward(params, stream);
+  if (params.fwd.mode == Mode::kWarmup) return reported(kernels::launch_warmup_backward(params, stream));
+  return reported(kernels::launch_backward(params, stream));
 }
 
 }  // namespace flashmsa
