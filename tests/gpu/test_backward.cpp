@@ -12,22 +12,29 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <functional>
-#include <future>
 #include <iterator>
 #include <ostream>
 #include <random>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "common/patterns.h"
 #include "gpu/gpu_test.h"
+#include "gpu/host_tensors.h"
 #include "gpu/random_draws.h"
 
 namespace flashmsa {
 namespace {
 
+using host_tensors::DeviceTensor;
+using host_tensors::download_tensor;
+using host_tensors::host_threads;
+using host_tensors::max_abs;
+using host_tensors::merge;
+using host_tensors::output_tensor;
+using host_tensors::parallel_for;
+using host_tensors::upload_floats;
+using host_tensors::upload_tensor;
 using patterns::Pattern;
 using reference::Precision;
 using testing::DeviceBuffer;
@@ -54,23 +61,6 @@ void PrintTo(const BackwardCase& c, std::ostream* os) { *os << c.name; }
 ProblemShape shape_of(const BackwardCase& c) {
   return cases::problem_shape(c.batch, c.seqlen, c.num_heads, c.num_kv_heads, c.num_proxy_heads,
                               c.num_proxy_kv_heads, c.top_k);
-}
-
-// Runs `task(part, parts)` for part = 0 … parts−1 on host threads.
-void parallel_for(int parts, const std::function<void(int, int)>& task) {
-  std::vector<std::future<void>> futures;
-  for (int part = 0; part < parts; ++part) futures.push_back(std::async(std::launch::async, task, part, parts));
-  for (auto& future : futures) future.get();
-}
-
-int host_threads() { return std::max(2u, std::min(16u, std::thread::hardware_concurrency())); }
-
-// Copies the non-NaN entries of `part` into `whole`.
-void merge(std::vector<double>& whole, const std::vector<double>& part) {
-  if (whole.empty()) whole.assign(part.size(), std::nan(""));
-  for (size_t e = 0; e < part.size(); ++e) {
-    if (!std::isnan(part[e])) whole[e] = part[e];
-  }
 }
 
 // The reference forward over all rows, split across threads.
@@ -155,64 +145,6 @@ std::vector<double> random_dout(const ProblemShape& s, uint64_t seed, DType dtyp
   std::vector<double> dout(size_t(s.batch * s.seqlen * s.num_heads * s.head_dim));
   for (double& x : dout) x = testing::from_half_bits(testing::to_half_bits(normal(rng), dtype), dtype);
   return dout;
-}
-
-// A [b, s, heads, dim] tensor on the device in the case's layout.
-struct DeviceTensor {
-  DeviceBuffer<uint16_t> buffer;
-  TensorRef ref;
-};
-
-int64_t offset_of(const ProblemShape& s, bool bhsd, int64_t b, int64_t i, int h, int heads, int dim) {
-  return bhsd ? ((b * heads + h) * s.seqlen + i) * dim : ((b * s.seqlen + i) * heads + h) * dim;
-}
-
-DeviceTensor upload_tensor(const std::vector<double>& host, const ProblemShape& s, int heads, int dim, DType dtype,
-                           bool bhsd) {
-  std::vector<uint16_t> bits(host.size());
-  for (int64_t b = 0; b < s.batch; ++b) {
-    for (int64_t i = 0; i < s.seqlen; ++i) {
-      for (int h = 0; h < heads; ++h) {
-        const int64_t from = reference::offset_bshd(s, b, i, h, heads, dim);
-        const int64_t to = offset_of(s, bhsd, b, i, h, heads, dim);
-        for (int d = 0; d < dim; ++d) bits[to + d] = testing::to_half_bits(host[from + d], dtype);
-      }
-    }
-  }
-  DeviceTensor tensor{DeviceBuffer<uint16_t>(bits.size()), {}};
-  tensor.buffer.upload(bits);
-  tensor.ref = bhsd ? cases::bhsd(tensor.buffer.get(), s, heads, dim) : cases::bshd(tensor.buffer.get(), s, heads, dim);
-  return tensor;
-}
-
-DeviceTensor output_tensor(const ProblemShape& s, int heads, int dim, bool bhsd) {
-  DeviceTensor tensor{DeviceBuffer<uint16_t>(size_t(s.batch * s.seqlen * heads * dim)), {}};
-  tensor.buffer.poison();
-  tensor.ref = bhsd ? cases::bhsd(tensor.buffer.get(), s, heads, dim) : cases::bshd(tensor.buffer.get(), s, heads, dim);
-  return tensor;
-}
-
-std::vector<double> download_tensor(const DeviceTensor& tensor, const ProblemShape& s, int heads, int dim,
-                                    DType dtype, bool bhsd) {
-  const std::vector<uint16_t> bits = tensor.buffer.download();
-  std::vector<double> host(bits.size());
-  for (int64_t b = 0; b < s.batch; ++b) {
-    for (int64_t i = 0; i < s.seqlen; ++i) {
-      for (int h = 0; h < heads; ++h) {
-        const int64_t to = reference::offset_bshd(s, b, i, h, heads, dim);
-        const int64_t from = offset_of(s, bhsd, b, i, h, heads, dim);
-        for (int d = 0; d < dim; ++d) host[to + d] = testing::from_half_bits(bits[from + d], dtype);
-      }
-    }
-  }
-  return host;
-}
-
-DeviceBuffer<float> upload_floats(const std::vector<double>& host) {
-  std::vector<float> values(host.begin(), host.end());
-  DeviceBuffer<float> buffer(values.size());
-  buffer.upload(values);
-  return buffer;
 }
 
 // The host problem of one case: inputs, selection, upstream gradients and saved forward tensors.
@@ -312,14 +244,6 @@ KernelGradients download_gradients(const BackwardCase& c, const DeviceProblem& d
   g.dk_proxy = download_tensor(d.dk_proxy, s, s.num_proxy_kv_heads, 128, c.dtype, c.bhsd);
   g.kl = double(d.kl.download()[0]);
   return g;
-}
-
-double max_abs(const std::vector<double>& values) {
-  double m = 0.0;
-  for (double x : values) {
-    if (!std::isnan(x)) m = std::max(m, std::fabs(x));
-  }
-  return m;
 }
 
 void expect_rule(const char* name, const std::vector<double>& kernel, const std::vector<double>& exact,
