@@ -1,6 +1,6 @@
 // Small device helpers shared by the forward, backward and warmup kernels: 16-bit <-> fp32
 // conversions, the reductions over the four threads of an MMA quad (which hold one accumulator
-// row between them), and the constants of the log2-domain softmax.
+// row between them), and the constants and exponential of the log2-domain softmax.
 //
 // Layer 1 of the device utilities, next to ptx/ (kernels include both).
 #pragma once
@@ -36,6 +36,14 @@ __device__ __forceinline__ float quad_max(float x) {
 __device__ __forceinline__ float quad_sum(float x) {
   x += __shfl_xor_sync(0xffffffffu, x, 1);
   return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+// 2^x as one MUFU instruction (flushes denormal results to zero, which a probability of < 2^-126
+// relative to the row maximum can afford); exp2f adds range handling around it.
+__device__ __forceinline__ float exp2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
 }
 
 }  // namespace flashmsa::kernels

@@ -61,14 +61,6 @@ __device__ __forceinline__ int sw128_offset(int rows_per_half, int row, int chun
   return (chunk >> 3) * rows_per_half * 64 + row * 64 + (((chunk & 7) ^ (row & 7)) << 3);
 }
 
-// 2^x as one MUFU instruction (flushes denormal results to zero, which a probability of < 2^-126
-// relative to the row maximum can afford); exp2f adds range handling around it.
-__device__ __forceinline__ float exp2_approx(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
 struct ListKey {
   int b, kv_head, block, proxy_head;
 };
