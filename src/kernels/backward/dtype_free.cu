@@ -153,9 +153,7 @@ Status build_schedule(const Problem& pb, cudaStream_t stream) {
   const ProblemShape& shape = pb.params.fwd.shape;
   const dim3 chunk_grid(unsigned(pb.num_chunks), unsigned(shape.num_proxy_heads), unsigned(shape.batch));
   const size_t count_smem = size_t(pb.num_blocks) * 4;
-  // Each limit is set only when this shape needs a different one than the last call (device_cache.h).
-  // NOTES: the exact size, not the 227 KB maximum: these kernels also have static shared memory,
-  // and static + dynamic must stay within the limit.
+  // Each limit is raised only when this shape needs more than any earlier call (device_cache.h).
   int device = 0;
   FLASHMSA_BACKWARD_CHECK(cudaGetDevice(&device), "cudaGetDevice");
   FLASHMSA_BACKWARD_CHECK(set_max_dynamic_smem(reinterpret_cast<const void*>(count_selections_kernel), device,

@@ -44,16 +44,19 @@ inline cudaError_t current_device_sms(int* device, int* num_sms) {
   return cached_device_attribute<cudaDevAttrMultiProcessorCount>(*device, num_sms);
 }
 
-// cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes) on `device`,
-// called only when this (kernel, device) has not been given exactly `bytes` before. The attribute
-// belongs to the kernel in the device's context, so it is remembered per device.
+// Makes sure `kernel` may launch with `bytes` of dynamic shared memory on `device`: calls
+// cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes) only when this
+// (kernel, device) has not been allowed at least `bytes` before. The attribute is a maximum, so
+// the limit only ever rises (to the largest size asked for), and it belongs to the kernel in the
+// device's context, so it is remembered per device. Callers pass the exact size they launch with:
+// static shared memory counts against the same limit.
 inline cudaError_t set_max_dynamic_smem(const void* kernel, int device, int bytes) {
   static std::mutex mutex;
   static std::map<std::pair<const void*, int>, int> given;
   const std::lock_guard<std::mutex> lock(mutex);
   const auto key = std::make_pair(kernel, device);
   const auto found = given.find(key);
-  if (found != given.end() && found->second == bytes) return cudaSuccess;
+  if (found != given.end() && found->second >= bytes) return cudaSuccess;
   const cudaError_t error =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   if (error == cudaSuccess) given[key] = bytes;

@@ -99,9 +99,8 @@ Status run_forward(const ForwardParams& params, cudaStream_t stream) {
   const size_t smem = pipelined ? pipelined_layout.total : tile_smem_bytes(shape);
   int blocks_per_sm = 1;
   if (pipelined) {
-    // The limit is raised once per device to the most any shape needs (cached in device_cache.h).
     if (Status s = cuda_status(set_max_dynamic_smem(reinterpret_cast<const void*>(sparse_forward_pipelined<Element>),
-                                                    device, int(kMaxDynamicSharedBytes)),
+                                                    device, int(smem)),
                                "shared memory");
         !s.ok()) {
       return s;
