@@ -4,8 +4,8 @@
 
 Prints, for the seed configuration at a small S (the GPU finishes each call long before the host
 issues the next, so the loop measures host time only): the median host µs per call of
-torch.ops.flashmsa.select, .forward and flashmsa.msa_attention (the numbers
-tests/python/test_cuda.py::test_host_overhead_per_call checks), then the CUDA runtime calls one
+torch.ops.flashmsa.select, .forward and flashmsa.msa_attention (scripts/gpu_check.sh runs this
+and keeps the output in raw/host_overhead.log), then the CUDA runtime calls one
 forward call makes, from the torch profiler (count and host µs per call), and the cost of the
 torch-side pieces (an empty tensor, a zero fill, a no-op kernel launch) for scale.
 """

@@ -2,7 +2,6 @@
 full step, determinism and host overhead. Every test needs an H100/H200 and skips without one; a
 stage without a kernel in this build skips with the op's message."""
 
-import time
 
 import pytest
 import torch
@@ -119,35 +118,3 @@ def test_cuda_graph_captures_a_full_step():
     for actual, wanted in zip(captured, expected):
         torch.testing.assert_close(actual, wanted, atol=2e-2, rtol=2e-2)
     assert captured[-1].item() > 0, "the KL value of the replayed step"
-
-
-def host_microseconds(call, repeats=5, calls=200):
-    """Median over `repeats` of the host time per call, the GPU left to run asynchronously."""
-    for _ in range(10):
-        call()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(calls):
-            call()
-        samples.append((time.perf_counter() - start) / calls * 1e6)
-        torch.cuda.synchronize()
-    return sorted(samples)[repeats // 2]
-
-
-def test_host_overhead_per_call(record_property):
-    inputs = cuda_inputs("seed", seqlen=256)
-    blocks = 2
-    with kernels_or_skip():
-        block_idx = flashmsa.ops.select(inputs[3], inputs[4], blocks, 0.0)
-        flashmsa.ops.forward(*inputs, block_idx, blocks)
-    select_us = host_microseconds(lambda: flashmsa.ops.select(inputs[3], inputs[4], blocks, 0.0))
-    forward_us = host_microseconds(lambda: flashmsa.ops.forward(*inputs, block_idx, blocks))
-    attention_us = host_microseconds(lambda: flashmsa.msa_attention(*inputs, 128 * blocks))
-    print(f"host overhead per call: select {select_us:.1f} us, forward {forward_us:.1f} us, "
-          f"msa_attention (select + forward + autograd) {attention_us:.1f} us")
-    for name, value in (("select_us", select_us), ("forward_us", forward_us),
-                        ("msa_attention_us", attention_us)):
-        record_property(name, round(value, 1))
-    assert select_us <= 50 and forward_us <= 50
