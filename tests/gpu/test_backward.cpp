@@ -203,6 +203,13 @@ void make_device_problem(const BackwardCase& c, const HostProblem& host, bool de
   d.schedule = DeviceBuffer<char>(std::max<size_t>(256, schedule_workspace_size(s)));
   d.workspace = DeviceBuffer<char>(std::max<size_t>(256, backward_workspace_size(s, Mode::kSparse, deterministic)));
   d.workspace.poison();
+  // The forward's schedule of block_idx, which the backward walks (params.h: fwd.schedule).
+  ScheduleParams schedule_params;
+  schedule_params.shape = s;
+  schedule_params.block_idx = d.block_idx.get();
+  schedule_params.workspace = d.schedule.get();
+  const Status scheduled = schedule(schedule_params, nullptr);
+  EXPECT_TRUE(scheduled.ok()) << scheduled.message;
 
   BackwardParams& p = d.params;
   p.fwd.shape = s;

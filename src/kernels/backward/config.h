@@ -78,6 +78,97 @@ constexpr size_t kSmemBytes = sizeof(SharedStorage) + 128;  // + alignment slack
 static_assert(kSmemBytes <= 227 * 1024, "backward shared memory over the sm_90 limit");
 
 // ---------------------------------------------------------------------------------------------
+// The pipelined tile kernel (pipelined_kernel.cuh): non-deterministic mode, M = H/Hp ∈ {2, 4, 8,
+// 16}. It walks the forward's schedule (tiles of one list (chunk, b, g, c, p)) as steps of 64
+// gathered rows: ⌊16/M⌋ tokens per lane quad, so a token's M heads sit in the columns one thread
+// holds in the transposed (keys × rows) accumulators.
+// ---------------------------------------------------------------------------------------------
+constexpr int kPipelinedThreads = 3 * 128;  // producer warpgroup + two consumer warpgroups
+constexpr int kPipelinedProducerThreads = 128;
+constexpr int kPipelinedStages = 2;
+constexpr int kPipelinedProducerRegisters = 56;  // 128·56 + 256·224 = 64512 ≤ 65536
+constexpr int kPipelinedConsumerRegisters = 224;
+constexpr int kStepRows = 64;        // gathered main rows per step (the N of Sᵀ = K·Qᵀ)
+constexpr int kMaxStepTokens = 32;   // 4·⌊16/M⌋ for M ≥ 2
+constexpr int kProxyRowsPerStage = 32;
+constexpr int kFlushTokens = 32;     // tokens of (π − t, q_proxy) staged before dk_proxy, dq_proxy
+
+inline bool pipelined_supported(int heads_per_proxy, bool deterministic) {
+  const int m = heads_per_proxy;
+  return !deterministic && (m == 2 || m == 4 || m == 8 || m == 16);
+}
+
+// Per-stage metadata written by the producer, read by the consumers.
+struct StepMeta {
+  float lse[kStepRows];          // LSE · log2(e) per step row; +inf for padding rows (P = 0)
+  float delta[kStepRows];        // Δ per step row
+  int32_t token[kMaxStepTokens]; // query position per step token; -1 for padding
+  int32_t slot[kMaxStepTokens];
+  float proxy_lse[kMaxStepTokens];  // proxy LSE · log2(e); +inf for padding
+  uint32_t key;                  // the schedule's list key
+  int32_t count;                 // tokens in the step
+  int32_t flags;                 // kStepListLast | kStepUnitLast | kStepLast
+  int32_t unused;
+};
+constexpr int kStepListLast = 1;  // the next step belongs to another list (or there is none)
+constexpr int kStepUnitLast = 2;  // … to another (chunk, b, g, c): dK and dV are flushed
+constexpr int kStepLast = 4;      // the CTA's last step
+
+// Byte offsets inside the pipelined kernel's shared memory (from a 1024-byte aligned base).
+struct PipelinedLayout {
+  uint32_t k = 0, v = 0, kp = 0;  // (2 halves, 128 keys, 64) 16-bit, 128-byte swizzle
+  uint32_t q = 0, dout = 0;       // (stage, 2 halves, 64 rows, 64)
+  uint32_t qp = 0;                // (stage, 2 halves, 32 proxy rows, 64)
+  uint32_t ds = 0;                // (2 key halves, 64 rows, 64 keys): dS, the A of dQ = dS·K
+  uint32_t g = 0;                 // (128 keys, 64 tokens): π − t of the staged tokens (32 used)
+  uint32_t qp_flush = 0;          // (2 halves, 32 tokens, 64): their q_proxy rows
+  uint32_t meta = 0;              // (stage) StepMeta
+  uint32_t kl = 0;                // fp32 (2 warpgroups, 4 warps, 32 tokens): KL partial sums
+  uint32_t flush_token = 0;       // int32 (32): query position of each staged token
+  uint32_t rows = 0;              // int32 (64 + 64 + 32): step row -> token, head; proxy row -> token
+  uint32_t barriers = 0;
+  uint32_t total = 0;             // bytes to request, including the alignment slack
+};
+
+inline PipelinedLayout make_pipelined_layout() {
+  PipelinedLayout layout;
+  const uint32_t key_tile = kKeys * kHeadDim * 2;
+  const uint32_t row_tile = kStepRows * kHeadDim * 2;
+  const uint32_t proxy_tile = kProxyRowsPerStage * kHeadDim * 2;
+  uint32_t at = 0;
+  layout.k = at;
+  at += key_tile;
+  layout.v = at;
+  at += key_tile;
+  layout.kp = at;
+  at += key_tile;
+  layout.q = at;
+  at += kPipelinedStages * row_tile;
+  layout.dout = at;
+  at += kPipelinedStages * row_tile;
+  layout.qp = at;
+  at += kPipelinedStages * proxy_tile;
+  layout.ds = at;
+  at += kStepRows * kKeys * 2;
+  layout.g = at;
+  at += kKeys * 64 * 2;
+  layout.qp_flush = at;
+  at += kFlushTokens * kHeadDim * 2;
+  layout.meta = at;
+  at += kPipelinedStages * uint32_t(sizeof(StepMeta));
+  layout.kl = at;
+  at += 2 * 4 * kMaxStepTokens * 4;
+  layout.flush_token = at;
+  at += kFlushTokens * 4;
+  layout.rows = at;
+  at += (2 * kStepRows + kProxyRowsPerStage) * 4;
+  layout.barriers = at;
+  at += (2 * kPipelinedStages + 1) * 8;
+  layout.total = at + 1024;
+  return layout;
+}
+
+// ---------------------------------------------------------------------------------------------
 // Workspace: byte offsets of every buffer, from shapes alone (backward_workspace_size() returns
 // `total`). Plain C++ so src/api/workspace.cpp can include it.
 // ---------------------------------------------------------------------------------------------

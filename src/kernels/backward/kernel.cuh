@@ -30,11 +30,11 @@
 #include "kernels/backward/config.h"
 #include "kernels/common/device_cache.h"
 #include "kernels/backward/mma.cuh"
+#include "kernels/backward/pipelined_kernel.cuh"
 #include "kernels/backward/schedule.cuh"
 
 namespace flashmsa::kernels::backward {
 
-constexpr float kLog2e = 1.4426950408889634f;
 
 template <typename T>
 __device__ __forceinline__ const T* row_pointer(const TensorRef& ref, int64_t batch, int64_t token,
@@ -671,6 +671,9 @@ inline Problem make_problem(const BackwardParams& params) {
 }
 
 template <typename T>
+Status finish(const Problem& pb, cudaStream_t stream);
+
+template <typename T>
 Status run_backward(const BackwardParams& params, cudaStream_t stream) {
   const ProblemShape& shape = params.fwd.shape;
   if (params.fwd.mode != Mode::kSparse) {
@@ -705,6 +708,11 @@ Status run_backward(const BackwardParams& params, cudaStream_t stream) {
   compute_delta_kernel<T><<<unsigned(ceil_div(tokens * shape.num_heads, kWarps)), kThreads, 0, stream>>>(pb);
   FLASHMSA_BACKWARD_CHECK(cudaGetLastError(), "compute_delta");
 
+  if (pipelined_supported(pb.heads_per_proxy, params.deterministic)) {
+    // The wgmma kernel walks the forward's schedule: no reverse index of its own.
+    if (Status status = run_pipelined_tiles<T>(pb, stream); !status.ok()) return status;
+    return finish<T>(pb, stream);
+  }
   if (Status status = build_schedule(pb, stream); !status.ok()) return status;
 
   // ---- the tile kernel: one persistent CTA per SM -------------------------------------------------
@@ -716,8 +724,15 @@ Status run_backward(const BackwardParams& params, cudaStream_t stream) {
                           "backward_tiles smem");
   backward_tiles_kernel<T><<<unsigned(sm_count), kThreads, kSmemBytes, stream>>>(pb);
   FLASHMSA_BACKWARD_CHECK(cudaGetLastError(), "backward_tiles");
+  return finish<T>(pb, stream);
+}
 
-  // ---- finish -------------------------------------------------------------------------------------
+// fp32 accumulators -> gradients in T, then the KL value.
+template <typename T>
+Status finish(const Problem& pb, cudaStream_t stream) {
+  const BackwardParams& params = pb.params;
+  const ProblemShape& shape = params.fwd.shape;
+  const int64_t tokens = shape.batch * shape.seqlen;
   const int64_t query_rows = tokens * (shape.num_heads + shape.num_proxy_heads);
   finish_query_grads_kernel<T><<<unsigned(ceil_div(query_rows, kWarps)), kThreads, 0, stream>>>(pb);
   FLASHMSA_BACKWARD_CHECK(cudaGetLastError(), "finish_query_grads");

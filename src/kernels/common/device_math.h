@@ -11,6 +11,7 @@
 namespace flashmsa::kernels {
 
 constexpr float kLn2 = 0.69314718055994530942f;
+constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kNegInf = -__builtin_huge_valf();
 
 template <typename T>

@@ -18,8 +18,6 @@
 
 namespace flashmsa::kernels::warmup {
 
-constexpr float kLog2e = 1.4426950408889634f;
-
 // A [b, s, heads, dim] view with element strides (params.h TensorRef, typed).
 template <typename T>
 struct Strided {

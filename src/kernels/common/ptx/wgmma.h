@@ -10,6 +10,7 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels/common/ptx/barrier.h"
 
@@ -169,5 +170,78 @@ struct Wgmma64x128x16<__half> {
     wgmma_m64n128k16_rs_f16<kTransposeB>(d, a, desc_b, scale_d);
   }
 };
+
+
+// D[64xN] (+)= A[64x16]·B[Nx16]ᵀ for N < 128, both operands in shared memory; kTransposeA /
+// kTransposeB = 1 read that operand MN-major (make_sw128_mnmajor_desc), 0 K-major. N/2 fp32
+// accumulators per thread in the layout of the header comment.
+template <typename Element, int N, int kTransposeA = 0, int kTransposeB = 0>
+struct WgmmaSS;
+
+#define FLASHMSA_WGMMA_SS_N(n, regs, placeholders, operand_list, ia, ib, is, ita, itb)                  \
+  template <typename Element, int kTransposeA, int kTransposeB>                                          \
+  struct WgmmaSS<Element, n, kTransposeA, kTransposeB> {                                                 \
+    __device__ __forceinline__ static void run(float (&d)[regs], uint64_t desc_a, uint64_t desc_b,       \
+                                               uint32_t scale_d) {                                       \
+      if constexpr (std::is_same_v<Element, __half>) {                                                   \
+        asm volatile("{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, " is ", 0;\n"                  \
+                     "wgmma.mma_async.sync.aligned.m64n" #n "k16.f32.f16.f16 " placeholders ", " ia ", " ib \
+                     ", accumulate, 1, 1, " ita ", " itb ";\n}\n"                                       \
+                     : operand_list                                                                      \
+                     : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransposeA), "n"(kTransposeB));      \
+      } else {                                                                                           \
+        asm volatile("{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, " is ", 0;\n"                  \
+                     "wgmma.mma_async.sync.aligned.m64n" #n "k16.f32.bf16.bf16 " placeholders ", " ia ", " ib \
+                     ", accumulate, 1, 1, " ita ", " itb ";\n}\n"                                       \
+                     : operand_list                                                                      \
+                     : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransposeA), "n"(kTransposeB));      \
+      }                                                                                                  \
+    }                                                                                                    \
+  };
+
+#define FLASHMSA_WGMMA_OPERANDS_8 \
+    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+FLASHMSA_WGMMA_SS_N(8, 4, "{%0, %1, %2, %3}", FLASHMSA_WGMMA_OPERANDS_8, "%4", "%5", "%6", "%7", "%8")
+#undef FLASHMSA_WGMMA_OPERANDS_8
+
+#define FLASHMSA_WGMMA_OPERANDS_16 \
+    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+FLASHMSA_WGMMA_SS_N(16, 8, "{%0, %1, %2, %3, %4, %5, %6, %7}", FLASHMSA_WGMMA_OPERANDS_16, "%8", "%9", "%10", "%11", "%12")
+#undef FLASHMSA_WGMMA_OPERANDS_16
+
+#define FLASHMSA_WGMMA_OPERANDS_32 \
+    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+    "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+FLASHMSA_WGMMA_SS_N(32, 16, "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}", FLASHMSA_WGMMA_OPERANDS_32, "%16", "%17", "%18", "%19", "%20")
+#undef FLASHMSA_WGMMA_OPERANDS_32
+
+#define FLASHMSA_WGMMA_OPERANDS_64 \
+    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+    "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
+    "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+    "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+FLASHMSA_WGMMA_SS_N(64, 32,
+                    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
+                    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}",
+                    FLASHMSA_WGMMA_OPERANDS_64, "%32", "%33", "%34", "%35", "%36")
+#undef FLASHMSA_WGMMA_OPERANDS_64
+
+#define FLASHMSA_WGMMA_OPERANDS_128 \
+    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+    "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
+    "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+    "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), \
+    "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
+    "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
+    "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
+    "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+FLASHMSA_WGMMA_SS_N(128, 64,
+                    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
+                    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"
+                    "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"
+                    "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}",
+                    FLASHMSA_WGMMA_OPERANDS_128, "%64", "%65", "%66", "%67", "%68")
+#undef FLASHMSA_WGMMA_OPERANDS_128
+#undef FLASHMSA_WGMMA_SS_N
 
 }  // namespace flashmsa::kernels::ptx

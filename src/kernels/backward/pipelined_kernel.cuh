@@ -1,0 +1,736 @@
+// The sparse backward's tile kernel on Hopper tensor cores (SPEC.md §3-§4): warp-specialised,
+// wgmma, pipelined gathers, KV-outer over the forward's schedule. Serves the non-deterministic mode
+// for M = H/Hp ∈ {2, 4, 8, 16}; kernel.cuh keeps the general kernel (deterministic mode, other M).
+//
+// Comes after: schedule/kernel.cuh (tiles, entries), kernel.cuh's compute_delta. Comes before:
+// kernel.cuh's finish kernels and reduce_kl. Shared memory layout: config.h (PipelinedLayout).
+//
+// Work. A CTA owns a contiguous range of the schedule's tiles (one CTA per SM). A tile (≤ ⌊128/M⌋
+// tokens of one list (chunk, b, g, c, p)) runs as steps of 64 gathered rows: 4·⌊16/M⌋ tokens × M
+// heads. The rows are permuted so that accumulator column n = 8j + 2(l % 4) + e (PTX "wgmma 64N16
+// D") holds token (l % 4)·⌊16/M⌋ + (2j + e)/M, head (2j + e) % M: the M heads of a token are the
+// columns of one thread, so the KL teacher (the mean over the M heads) is a sum in registers.
+//
+// Roles (3 warpgroups):
+//   producer   warpgroup 0. Per step: writes the step's tokens, slots, LSE, Δ and proxy LSE to the
+//              stage's metadata and issues cp.async gathers of Q, dO (64 rows) and q_proxy (the
+//              proxy rows in the same column order); released one step late as in the forward.
+//              On a new list it waits for the previous step to finish and loads K, V and k_proxy.
+//   consumers  warpgroups 1-2; warpgroup c owns keys [64c, 64c + 64) of the block:
+//              Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ     wgmma m64n64k16, both from shared memory
+//              proxy scores k_proxy·q̃ᵀ     wgmma m64nPk16 (P = 8, 16 or 32 proxy columns)
+//              P, dS = P(dP − Δ)           in registers (transposed: keys × rows)
+//              dV += Pᵀ·dO, dK += dSᵀ·Q    wgmma m64n128k16, P and dS from registers, dO and Q
+//                                          MN-major; dK, dV stay in registers for the whole unit
+//                                          (chunk, b, g, c) and are reduce-added when it ends
+//              dQ = dS·K                   dS through shared memory; warpgroup c computes dims
+//                                          [64c, 64c + 64) and reduce-adds them (fp32)
+//              KL                          t = mean of P over the M heads, π = exp(s̃σp − plse),
+//                                          g = π − t staged with the q_proxy rows (32 tokens), then
+//                                          dk_proxy += g·q̃ (m64n128) and dq_proxyᵀ = k̃ᵀ·gᵀ
+//                                          (m64n64), both reduce-added; KL terms per (token, slot)
+//
+// Synchronisation between the consumer warpgroups: two named barriers per step, one after dS, g,
+// the staged q_proxy rows and the KL partials are written (both warpgroups read all of them), one
+// before the next step overwrites them.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+#include <string>
+
+#include "flashmsa/api.h"
+#include "kernels/backward/config.h"
+#include "kernels/backward/mma.cuh"
+#include "kernels/backward/schedule.cuh"
+#include "kernels/common/device_cache.h"
+#include "kernels/common/device_math.h"
+#include "kernels/common/ptx/barrier.h"
+#include "kernels/common/ptx/warp_mma.h"
+#include "kernels/common/ptx/wgmma.h"
+#include "kernels/forward/pipelined_kernel.cuh"
+
+namespace flashmsa::kernels::backward {
+
+using forward::Strided;
+using forward::sw128_offset;
+
+template <typename Element>
+struct PipelinedArgs {
+  Strided<const Element> q, k, v, q_proxy, k_proxy, dout;
+  const float* lse;        // [b, h, s]
+  const float* proxy_lse;  // [b, hp, s]
+  const float* delta;      // [b, h, s]
+  const uint4* tiles;
+  const uint32_t* tile_offsets;
+  const uint32_t* entries[2];
+  const int32_t* header;
+  int64_t num_keys;  // list keys of all chunks: tiles[tile_offsets[0] .. tile_offsets[num_keys])
+  float* dq_accum;        // [b, s, h, d]
+  float* dk_accum;        // [b, s, hkv, d]
+  float* dv_accum;
+  float* dq_proxy_accum;  // [b, s, hp, di]
+  float* dk_proxy_accum;  // [b, s, hp, di]
+  float* kl_partial;      // [b, hp, s, k]
+  int seqlen, num_blocks, batch;
+  int num_heads, num_kv_heads, num_proxy_heads, proxy_heads_per_kv, proxy_ratio, top_k;
+  float scale_log2, proxy_scale_log2;
+  int with_kl;       // KL terms (value or gradient)
+  int with_kl_grad;  // dq_proxy, dk_proxy
+};
+
+struct StepKey {
+  int b, kv_head, block, proxy_head;
+  uint32_t unit;  // the key without the proxy head: (chunk, b, g, c)
+};
+
+template <typename Element>
+__device__ __forceinline__ StepKey decode_step_key(uint32_t key, const PipelinedArgs<Element>& args) {
+  StepKey out;
+  const int proxy_local = int(key % uint32_t(args.proxy_heads_per_kv));
+  key /= uint32_t(args.proxy_heads_per_kv);
+  out.unit = key;
+  out.block = int(key % uint32_t(args.num_blocks));
+  key /= uint32_t(args.num_blocks);
+  out.kv_head = int(key % uint32_t(args.num_kv_heads));
+  key /= uint32_t(args.num_kv_heads);
+  out.b = int(key % uint32_t(args.batch));
+  out.proxy_head = out.kv_head * args.proxy_heads_per_kv + proxy_local;
+  return out;
+}
+
+// One producer thread's share of the cp.async copies of a 128-key block (keys ≥ S zero-filled).
+template <typename Element>
+__device__ __forceinline__ void load_block(Element* tile, const Strided<const Element>& source, int b, int first_key,
+                                           int head, int seqlen, int thread) {
+#pragma unroll 4
+  for (int index = thread; index < kKeys * 16; index += kPipelinedProducerThreads) {
+    const int row = index >> 4;
+    const int chunk = index & 15;
+    const bool valid = first_key + row < seqlen;
+    const Element* src = valid ? source.row(b, first_key + row, head) + chunk * 8 : source.ptr;
+    ptx::cp_async_16(tile + sw128_offset(kKeys, row, chunk), src, valid);
+  }
+}
+
+template <typename Element, int kM>
+__global__ void __launch_bounds__(kPipelinedThreads, 1)
+    backward_pipelined(const PipelinedArgs<Element> args, const PipelinedLayout layout) {
+  constexpr int kT = 16 / kM;                      // tokens per lane quad column group
+  constexpr int kStepTokens = 4 * kT;              // tokens per step
+  constexpr int kProxyCols = kT <= 2 ? 8 : (kT <= 4 ? 16 : 32);
+  constexpr int kRowElements = kStepRows * kHeadDim;
+  constexpr int kProxyElements = kProxyRowsPerStage * kHeadDim;
+  using Mma128 = ptx::Wgmma64x128x16<Element>;
+
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char* smem = smem_raw + ((1024 - (ptx::smem_address(smem_raw) & 1023)) & 1023);
+  Element* k_tile = reinterpret_cast<Element*>(smem + layout.k);
+  Element* v_tile = reinterpret_cast<Element*>(smem + layout.v);
+  Element* kp_tile = reinterpret_cast<Element*>(smem + layout.kp);
+  Element* q_stages = reinterpret_cast<Element*>(smem + layout.q);
+  Element* do_stages = reinterpret_cast<Element*>(smem + layout.dout);
+  Element* qp_stages = reinterpret_cast<Element*>(smem + layout.qp);
+  Element* ds_tile = reinterpret_cast<Element*>(smem + layout.ds);
+  Element* g_tile = reinterpret_cast<Element*>(smem + layout.g);
+  Element* qp_flush = reinterpret_cast<Element*>(smem + layout.qp_flush);
+  StepMeta* meta = reinterpret_cast<StepMeta*>(smem + layout.meta);
+  float* kl_parts = reinterpret_cast<float*>(smem + layout.kl);  // (warpgroup, warp, token)
+  int32_t* flush_token = reinterpret_cast<int32_t*>(smem + layout.flush_token);
+  int32_t* row_token = reinterpret_cast<int32_t*>(smem + layout.rows);  // step row -> token in step
+  int32_t* row_head = row_token + kStepRows;                              // step row -> head in group
+  int32_t* proxy_row_token = row_head + kStepRows;                        // proxy row -> token in step
+  uint64_t* barriers = reinterpret_cast<uint64_t*>(smem + layout.barriers);
+  uint64_t* q_full = barriers;
+  uint64_t* q_empty = barriers + kPipelinedStages;
+  uint64_t* kv_full = barriers + 2 * kPipelinedStages;
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kPipelinedStages; ++s) {
+      ptx::mbarrier_init(&q_full[s], kPipelinedProducerThreads);
+      ptx::mbarrier_init(&q_empty[s], 2 * 128);
+    }
+    ptx::mbarrier_init(kv_full, kPipelinedProducerThreads);
+    ptx::fence_barrier_init();
+  }
+  if (threadIdx.x < kStepRows) {
+    const int n = threadIdx.x;
+    const int c = 2 * (n / 8) + n % 2;  // the column's index among its thread's 16
+    const int quad = (n % 8) / 2;
+    row_token[n] = quad * kT + c / kM;
+    row_head[n] = c % kM;
+  } else if (threadIdx.x < kStepRows + kProxyRowsPerStage) {
+    const int n = threadIdx.x - kStepRows;
+    const int c = 2 * (n / 8) + n % 2;
+    const int quad = (n % 8) / 2;
+    proxy_row_token[n] = (c < kT && n < kProxyCols) ? quad * kT + c : -1;
+  } else if (threadIdx.x >= 128) {
+    // π − t of unused staged columns must be finite: they meet zero q_proxy rows.
+    for (int i = threadIdx.x - 128; i < kKeys * 64 / 8; i += 256) {
+      reinterpret_cast<uint4*>(g_tile)[i] = make_uint4(0, 0, 0, 0);
+    }
+  }
+  __syncthreads();
+
+  const uint32_t* entries = args.header[0] == 1 ? args.entries[1] : args.entries[0];
+  const uint32_t begin = args.tile_offsets[0];
+  const uint32_t total = args.tile_offsets[args.num_keys] - begin;
+  const uint32_t lo = begin + uint32_t(uint64_t(total) * blockIdx.x / gridDim.x);
+  const int num_tiles = int(begin + uint32_t(uint64_t(total) * (blockIdx.x + 1) / gridDim.x) - lo);
+  const int warpgroup = threadIdx.x / 128;
+
+  if (warpgroup == 0) {
+    // ===================================== producer =====================================
+    ptx::warpgroup_registers_decrease<kPipelinedProducerRegisters>();
+    const int thread = threadIdx.x;
+    const int chunk = thread & 15;
+    const int first_row = thread >> 4;  // rows first_row + 8·i
+    uint32_t last_key = 0xffffffffu;
+    int pending = -1;
+    bool pending_new_list = false;
+    auto release_pending = [&]() {
+      ptx::fence_proxy_async_shared();
+      if (pending_new_list) ptx::mbarrier_arrive(kv_full);
+      ptx::mbarrier_arrive(&q_full[pending % kPipelinedStages]);
+      pending = -1;
+    };
+    int step = 0;
+    uint4 tile = num_tiles > 0 ? args.tiles[lo] : make_uint4(0, 0, 0, 0);
+    for (int t = 0; t < num_tiles; ++t) {
+      const uint4 next_tile = t + 1 < num_tiles ? args.tiles[lo + t + 1] : make_uint4(0xffffffffu, 0, 0, 0);
+      const uint32_t key_value = tile.x;
+      const StepKey key = decode_step_key(key_value, args);
+      const int first_key = key.block * kBlockSize;
+      const int tile_count = int(tile.z);
+      const int steps = (tile_count + kStepTokens - 1) / kStepTokens;
+      for (int k = 0; k < steps; ++k, ++step) {
+        const int s = step % kPipelinedStages;
+        const bool new_list = key_value != last_key;
+        const int count = min(kStepTokens, tile_count - k * kStepTokens);
+        ptx::mbarrier_wait(&q_empty[s], ((step / kPipelinedStages) & 1) ^ 1);
+        if (new_list && step > 0) {
+          // K, V and k_proxy are overwritten only after the previous step is done.
+          if (pending >= 0) {
+            ptx::cp_async_wait<0>();
+            release_pending();
+          }
+          ptx::mbarrier_wait(&q_empty[(step - 1) % kPipelinedStages], ((step - 1) / kPipelinedStages) & 1);
+        }
+        StepMeta& m = meta[s];
+        if (thread < kMaxStepTokens) {
+          const bool has = thread < count;
+          const uint32_t entry = has ? entries[tile.y + k * kStepTokens + thread] : 0u;
+          const int token = has ? int(entry >> schedule::kSlotBits) : -1;
+          m.token[thread] = token;
+          m.slot[thread] = int(entry & ((1u << schedule::kSlotBits) - 1));
+          float plse = __builtin_huge_valf();
+          if (has && args.with_kl) {
+            plse = args.proxy_lse[(int64_t(key.b) * args.num_proxy_heads + key.proxy_head) * args.seqlen + token] *
+                   kLog2e;
+          }
+          m.proxy_lse[thread] = plse;
+          if (thread == 0) {
+            const bool tile_last = k + 1 == steps;
+            const bool list_last = tile_last && next_tile.x != key_value;
+            const bool unit_last =
+                tile_last && (next_tile.x == 0xffffffffu ||
+                              next_tile.x / uint32_t(args.proxy_heads_per_kv) != key.unit);
+            m.key = key_value;
+            m.count = count;
+            m.flags = (list_last ? kStepListLast : 0) | (unit_last ? kStepUnitLast : 0) |
+                      (tile_last && t + 1 == num_tiles ? kStepLast : 0);
+          }
+        }
+        ptx::named_barrier_sync(1, kPipelinedProducerThreads);
+        if (thread < kStepRows) {
+          const int local = row_token[thread];
+          const int token = local < count ? m.token[local] : -1;
+          float lse = __builtin_huge_valf();
+          float delta = 0.f;
+          if (token >= 0) {
+            const int64_t at =
+                (int64_t(key.b) * args.num_heads + key.proxy_head * kM + row_head[thread]) * args.seqlen + token;
+            lse = args.lse[at] * kLog2e;
+            delta = args.delta[at];
+          }
+          m.lse[thread] = lse;
+          m.delta[thread] = delta;
+        }
+        if (new_list) {
+          load_block(k_tile, args.k, key.b, first_key, key.kv_head, args.seqlen, thread);
+          load_block(v_tile, args.v, key.b, first_key, key.kv_head, args.seqlen, thread);
+          if (args.with_kl) {
+            load_block(kp_tile, args.k_proxy, key.b, first_key, key.proxy_head / args.proxy_ratio, args.seqlen,
+                       thread);
+          }
+        }
+        // Q and dO rows first_row + 8·i (same swizzle phase: the destination moves by 1024 bytes).
+        {
+          Element* q_dst = q_stages + s * kRowElements + sw128_offset(kStepRows, first_row, chunk);
+          Element* do_dst = do_stages + s * kRowElements + sw128_offset(kStepRows, first_row, chunk);
+#pragma unroll 4
+          for (int i = 0; i < kStepRows / 8; ++i) {
+            const int n = first_row + 8 * i;
+            const int local = row_token[n];
+            const bool valid = local < count;
+            const int token = valid ? m.token[local] : 0;
+            const int head = key.proxy_head * kM + row_head[n];
+            const Element* q_src = valid ? args.q.row(key.b, token, head) + chunk * 8 : args.q.ptr;
+            const Element* do_src = valid ? args.dout.row(key.b, token, head) + chunk * 8 : args.dout.ptr;
+            ptx::cp_async_16(q_dst + i * 8 * 64, q_src, valid);
+            ptx::cp_async_16(do_dst + i * 8 * 64, do_src, valid);
+          }
+        }
+        if (args.with_kl) {
+          Element* qp_dst = qp_stages + s * kProxyElements;
+          for (int n = first_row; n < kProxyCols; n += 8) {
+            const int local = proxy_row_token[n];
+            const bool valid = local >= 0 && local < count;
+            const Element* src =
+                valid ? args.q_proxy.row(key.b, m.token[local], key.proxy_head) + chunk * 8 : args.q_proxy.ptr;
+            ptx::cp_async_16(qp_dst + sw128_offset(kProxyRowsPerStage, n, chunk), src, valid);
+          }
+        }
+        ptx::cp_async_commit();
+        if (pending >= 0) {
+          ptx::cp_async_wait<1>();
+          release_pending();
+        }
+        pending = step;
+        pending_new_list = new_list;
+        last_key = key_value;
+      }
+      tile = next_tile;
+    }
+    if (pending >= 0) {
+      ptx::cp_async_wait<0>();
+      release_pending();
+    }
+    return;
+  }
+
+  // ===================================== consumers =====================================
+  ptx::warpgroup_registers_increase<kPipelinedConsumerRegisters>();
+  const int consumer = warpgroup - 1;            // keys [64·consumer, 64·consumer + 64)
+  const int wg_thread = threadIdx.x & 127;
+  const int consumer_thread = threadIdx.x - 128;  // 0 … 255
+  const int warp = wg_thread / 32;
+  const int lane = threadIdx.x % 32;
+  const int quad = lane % 4;
+  const int key_row0 = consumer * 64 + warp * 16 + lane / 4;  // block rows key_row0, key_row0 + 8
+  constexpr uint32_t kMidBarrier = 2;   // dS, g, staged rows, KL partials written by both
+  constexpr uint32_t kStepBarrier = 3;  // both warpgroups done with the previous step
+
+  float dk[64];
+  float dv[64];
+#pragma unroll
+  for (int i = 0; i < 64; ++i) {
+    dk[i] = 0.f;
+    dv[i] = 0.f;
+  }
+  uint32_t last_key = 0xffffffffu;
+  int lists_seen = 0;
+  int staged = 0;  // tokens of (π − t, q_proxy) staged for the proxy gradients
+
+  for (int step = 0;; ++step) {
+    const int s = step % kPipelinedStages;
+    if (num_tiles == 0) break;
+    ptx::mbarrier_wait(&q_full[s], (step / kPipelinedStages) & 1);
+    const StepMeta& m = meta[s];
+    const uint32_t key_value = m.key;
+    const int count = m.count;
+    const int flags = m.flags;
+    if (key_value != last_key) {
+      ptx::mbarrier_wait(kv_full, lists_seen & 1);
+      ++lists_seen;
+      last_key = key_value;
+    }
+    const StepKey key = decode_step_key(key_value, args);
+    const int first_key = key.block * kBlockSize;
+    const bool need_mask = m.token[0] < first_key + kBlockSize - 1;
+    const Element* q_tile = q_stages + s * kRowElements;
+    const Element* do_tile = do_stages + s * kRowElements;
+    const Element* qp_tile = qp_stages + s * kProxyElements;
+
+    // ---- Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ, proxy scores (async) --------------------------------------------
+    float score[32];
+    float dprob[32];
+    float proxy[kProxyCols / 2];
+    ptx::wgmma_fence();
+#pragma unroll
+    for (int k_step = 0; k_step < kHeadDim / 16; ++k_step) {
+      const int half = k_step / 4;
+      const uint32_t advance = (k_step % 4) * 32;
+      const uint64_t desc_k = ptx::advance_desc(
+          ptx::make_sw128_kmajor_desc(k_tile + half * kKeys * 64 + consumer * 64 * 64), advance);
+      const uint64_t desc_q = ptx::advance_desc(ptx::make_sw128_kmajor_desc(q_tile + half * kStepRows * 64), advance);
+      ptx::WgmmaSS<Element, 64>::run(score, desc_k, desc_q, k_step > 0 ? 1u : 0u);
+    }
+#pragma unroll
+    for (int k_step = 0; k_step < kHeadDim / 16; ++k_step) {
+      const int half = k_step / 4;
+      const uint32_t advance = (k_step % 4) * 32;
+      const uint64_t desc_v = ptx::advance_desc(
+          ptx::make_sw128_kmajor_desc(v_tile + half * kKeys * 64 + consumer * 64 * 64), advance);
+      const uint64_t desc_do =
+          ptx::advance_desc(ptx::make_sw128_kmajor_desc(do_tile + half * kStepRows * 64), advance);
+      ptx::WgmmaSS<Element, 64>::run(dprob, desc_v, desc_do, k_step > 0 ? 1u : 0u);
+    }
+    ptx::wgmma_commit_group();
+    if (args.with_kl) {
+#pragma unroll
+      for (int k_step = 0; k_step < kHeadDim / 16; ++k_step) {
+        const int half = k_step / 4;
+        const uint32_t advance = (k_step % 4) * 32;
+        const uint64_t desc_kp = ptx::advance_desc(
+            ptx::make_sw128_kmajor_desc(kp_tile + half * kKeys * 64 + consumer * 64 * 64), advance);
+        const uint64_t desc_qp =
+            ptx::advance_desc(ptx::make_sw128_kmajor_desc(qp_tile + half * kProxyRowsPerStage * 64), advance);
+        ptx::WgmmaSS<Element, kProxyCols>::run(proxy, desc_kp, desc_qp, k_step > 0 ? 1u : 0u);
+      }
+      ptx::wgmma_commit_group();
+      ptx::wgmma_wait_group<1>();
+    } else {
+      ptx::wgmma_wait_group<0>();
+    }
+    ptx::fence_accumulators(score);
+    ptx::fence_accumulators(dprob);
+
+    // ---- P = exp(S σ − LSE) on j ≤ i, dS = P (dP − Δ), the teacher sums ----------------------------
+    // Element 4j + 2h + e: block row key_row0 + 8h, step row (column) 8j + 2·quad + e.
+    float teacher[2][kT];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+      for (int i = 0; i < kT; ++i) teacher[h][i] = 0.f;
+    }
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const int n = 8 * j + 2 * quad;
+      const float2 lse = *reinterpret_cast<const float2*>(&m.lse[n]);
+      const float2 delta = *reinterpret_cast<const float2*>(&m.delta[n]);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int index = 4 * j + 2 * h + e;
+          float p = exp2_approx(fmaf(score[index], args.scale_log2, -(e ? lse.y : lse.x)));
+          if (need_mask) {
+            const int local = row_token[n + e];
+            const int token = local < count ? m.token[local] : -1;
+            if (first_key + key_row0 + 8 * h > token) p = 0.f;
+          }
+          score[index] = p;
+          dprob[index] = p * (dprob[index] - (e ? delta.y : delta.x));
+          teacher[h][(2 * j + e) / kM] += p;
+        }
+      }
+    }
+    uint32_t p_frag[4][4];
+    uint32_t ds_frag[4][4];
+#pragma unroll
+    for (int k_step = 0; k_step < 4; ++k_step) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        p_frag[k_step][r] = ptx::pack2<Element>(score[8 * k_step + 2 * r], score[8 * k_step + 2 * r + 1]);
+        ds_frag[k_step][r] = ptx::pack2<Element>(dprob[8 * k_step + 2 * r], dprob[8 * k_step + 2 * r + 1]);
+      }
+    }
+
+    // ---- dV += Pᵀ·dO, dK += dSᵀ·Q (async; dO, Q MN-major) --------------------------------------------
+    ptx::wgmma_fence();
+#pragma unroll
+    for (int k_step = 0; k_step < 4; ++k_step) {
+      const uint64_t desc_do = ptx::make_sw128_mnmajor_desc(do_tile + k_step * 16 * 64, kStepRows * 128);
+      Mma128::template run<1>(dv, p_frag[k_step], desc_do, 1u);
+    }
+#pragma unroll
+    for (int k_step = 0; k_step < 4; ++k_step) {
+      const uint64_t desc_q = ptx::make_sw128_mnmajor_desc(q_tile + k_step * 16 * 64, kStepRows * 128);
+      Mma128::template run<1>(dk, ds_frag[k_step], desc_q, 1u);
+    }
+    ptx::wgmma_commit_group();
+
+    // ---- dS to shared memory, (row, key) from the packed pairs (rows n, n + 1 of one key) ----------------
+    // Both warpgroups finished the previous step first: its dQ and proxy GEMMs read dS, g, the staged
+    // q_proxy rows and the KL partials that this step overwrites.
+    if (step > 0) ptx::named_barrier_sync(kStepBarrier, 256);
+#pragma unroll
+    for (int k_step = 0; k_step < 4; ++k_step) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int n = 8 * (2 * k_step + r / 2) + 2 * quad;
+        const int key_local = warp * 16 + lane / 4 + 8 * (r % 2);  // inside this warpgroup's half
+        uint16_t* half_tile = reinterpret_cast<uint16_t*>(ds_tile + consumer * kStepRows * 64) + key_local % 8;
+        half_tile[sw128_offset(kStepRows, n, key_local / 8)] = uint16_t(ds_frag[k_step][r] & 0xffffu);
+        half_tile[sw128_offset(kStepRows, n + 1, key_local / 8)] = uint16_t(ds_frag[k_step][r] >> 16);
+      }
+    }
+
+    // ---- KL: π, g = π − t, the KL terms; g and the q_proxy rows staged --------------------------------
+    if (args.with_kl) {
+      ptx::wgmma_wait_group<1>();  // the proxy scores
+      ptx::fence_accumulators(proxy);
+      float kl[kT];
+#pragma unroll
+      for (int i = 0; i < kT; ++i) kl[i] = 0.f;
+#pragma unroll
+      for (int i = 0; i < kT; ++i) {
+        const int local = quad * kT + i;
+        const float plse = m.proxy_lse[local];
+        const int token = m.token[local];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int index = 4 * (i / 2) + 2 * h + (i % 2);
+          const float x = fmaf(proxy[index], args.proxy_scale_log2, -plse);  // log2 π
+          float pi = exp2_approx(x);
+          if (need_mask && first_key + key_row0 + 8 * h > token) pi = 0.f;
+          const float t = teacher[h][i] * (1.f / kM);
+          if (t > 0.f) kl[i] += t * (__logf(t) - x * kLn2);
+          if (args.with_kl_grad) {
+            const int key_local = consumer * 64 + warp * 16 + lane / 4 + 8 * h;
+            g_tile[sw128_offset(kKeys, key_local, (staged + local) / 8) + (staged + local) % 8] =
+                from_float<Element>(pi - t);
+          }
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < kT; ++i) {
+        kl[i] += __shfl_xor_sync(0xffffffffu, kl[i], 4);
+        kl[i] += __shfl_xor_sync(0xffffffffu, kl[i], 8);
+        kl[i] += __shfl_xor_sync(0xffffffffu, kl[i], 16);
+        if (lane < 4) kl_parts[(consumer * 4 + warp) * kMaxStepTokens + quad * kT + i] = kl[i];
+      }
+      if (args.with_kl_grad) {
+        // The step's q_proxy rows to staged rows staged + token (zeros for padding tokens, and for
+        // every row past the step when a new stage begins).
+        const int rows = staged == 0 ? kFlushTokens : kStepTokens;
+        for (int index = consumer_thread; index < rows * 16; index += 256) {
+          const int local = index / 16;
+          const int chunk = index % 16;
+          uint4 value = make_uint4(0, 0, 0, 0);
+          if (local < count) {
+            const int n = 8 * ((local % kT) / 2) + 2 * (local / kT) + (local % kT) % 2;  // its proxy row
+            value = *reinterpret_cast<const uint4*>(qp_tile + sw128_offset(kProxyRowsPerStage, n, chunk));
+          }
+          *reinterpret_cast<uint4*>(qp_flush + sw128_offset(kFlushTokens, staged + local, chunk)) = value;
+        }
+        if (consumer_thread < kStepTokens) flush_token[staged + consumer_thread] = m.token[consumer_thread];
+      }
+    }
+    ptx::fence_proxy_async_shared();  // dS, g and the staged rows are wgmma operands
+    ptx::named_barrier_sync(kMidBarrier, 256);
+
+    // ---- dQ = dS·K: this warpgroup's 64 dims, K MN-major ----------------------------------------------
+    float dq[32];
+    ptx::wgmma_fence();
+#pragma unroll
+    for (int k_step = 0; k_step < kKeys / 16; ++k_step) {
+      const int half = k_step / 4;
+      const uint64_t desc_ds = ptx::advance_desc(
+          ptx::make_sw128_kmajor_desc(ds_tile + half * kStepRows * 64), (k_step % 4) * 32);
+      const uint64_t desc_k =
+          ptx::make_sw128_mnmajor_desc(k_tile + consumer * kKeys * 64 + k_step * 16 * 64, kKeys * 128);
+      ptx::WgmmaSS<Element, 64, 0, 1>::run(dq, desc_ds, desc_k, k_step > 0 ? 1u : 0u);
+    }
+    ptx::wgmma_commit_group();
+    if (args.with_kl && consumer == 0 && wg_thread < count) {
+      float sum = 0.f;
+#pragma unroll
+      for (int w = 0; w < 8; ++w) sum += kl_parts[w * kMaxStepTokens + wg_thread];
+      args.kl_partial[((int64_t(key.b) * args.num_proxy_heads + key.proxy_head) * args.seqlen + m.token[wg_thread]) *
+                          args.top_k + m.slot[wg_thread]] = sum;
+    }
+    ptx::wgmma_wait_group<0>();
+    ptx::fence_accumulators(dq);
+    ptx::fence_accumulators(dk);
+    ptx::fence_accumulators(dv);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int n = warp * 16 + lane / 4 + 8 * h;
+      const int local = row_token[n];
+      if (local < count) {
+        float* row = args.dq_accum +
+                     ((int64_t(key.b) * args.seqlen + m.token[local]) * args.num_heads + key.proxy_head * kM +
+                      row_head[n]) * kHeadDim + consumer * 64 + 2 * quad;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) reduce_add2(row + 8 * j, dq[4 * j + 2 * h], dq[4 * j + 2 * h + 1]);
+      }
+    }
+    if (args.with_kl_grad) staged += count;
+
+    // ---- proxy gradients of the staged tokens ---------------------------------------------------------
+    if (args.with_kl_grad && ((flags & kStepListLast) || staged + kStepTokens > kFlushTokens)) {
+      {
+        // dk_proxy[keys] += g·q̃: A = g (keys × tokens, K-major), B = staged q̃ (tokens × di, MN-major)
+        float acc[64];
+        ptx::wgmma_fence();
+#pragma unroll
+        for (int k_step = 0; k_step < kFlushTokens / 16; ++k_step) {
+          const uint64_t desc_g =
+              ptx::advance_desc(ptx::make_sw128_kmajor_desc(g_tile + consumer * 64 * 64), k_step * 32);
+          const uint64_t desc_qp = ptx::make_sw128_mnmajor_desc(qp_flush + k_step * 16 * 64, kFlushTokens * 128);
+          ptx::WgmmaSS<Element, 128, 0, 1>::run(acc, desc_g, desc_qp, k_step > 0 ? 1u : 0u);
+        }
+        ptx::wgmma_commit_group();
+        ptx::wgmma_wait_group<0>();
+        ptx::fence_accumulators(acc);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int key_pos = first_key + key_row0 + 8 * h;
+          if (key_pos < args.seqlen) {
+            float* row = args.dk_proxy_accum +
+                         ((int64_t(key.b) * args.seqlen + key_pos) * args.num_proxy_heads + key.proxy_head) * kHeadDim +
+                         2 * quad;
+#pragma unroll
+            for (int j = 0; j < 16; ++j) reduce_add2(row + 8 * j, acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+          }
+        }
+      }
+      {
+        // dq_proxyᵀ[dims] = k̃ᵀ·gᵀ: A = k̃ (di × keys, MN-major), B = g (keys × tokens, MN-major)
+        float acc[32];
+        ptx::wgmma_fence();
+#pragma unroll
+        for (int k_step = 0; k_step < kKeys / 16; ++k_step) {
+          const uint64_t desc_kp =
+              ptx::make_sw128_mnmajor_desc(kp_tile + consumer * kKeys * 64 + k_step * 16 * 64, kKeys * 128);
+          const uint64_t desc_g = ptx::make_sw128_mnmajor_desc(g_tile + k_step * 16 * 64, kKeys * 128);
+          ptx::WgmmaSS<Element, 64, 1, 1>::run(acc, desc_kp, desc_g, k_step > 0 ? 1u : 0u);
+        }
+        ptx::wgmma_commit_group();
+        ptx::wgmma_wait_group<0>();
+        ptx::fence_accumulators(acc);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int dim = consumer * 64 + warp * 16 + lane / 4 + 8 * h;
+#pragma unroll
+          for (int j = 0; j < 8; ++j) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int column = 8 * j + 2 * quad + e;
+              if (column < staged) {
+                atomicAdd(args.dq_proxy_accum +
+                              ((int64_t(key.b) * args.seqlen + flush_token[column]) * args.num_proxy_heads +
+                               key.proxy_head) * kHeadDim + dim,
+                          acc[4 * j + 2 * h + e]);
+              }
+            }
+          }
+        }
+      }
+      staged = 0;
+    }
+    ptx::mbarrier_arrive(&q_empty[s]);
+
+    // ---- dK, dV of the unit: reduce-added when it ends --------------------------------------------------
+    if (flags & kStepUnitLast) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int key_pos = first_key + key_row0 + 8 * h;
+        if (key_pos < args.seqlen) {
+          const int64_t at = ((int64_t(key.b) * args.seqlen + key_pos) * args.num_kv_heads + key.kv_head) * kHeadDim +
+                             2 * quad;
+#pragma unroll
+          for (int j = 0; j < 16; ++j) {
+            reduce_add2(args.dk_accum + at + 8 * j, dk[4 * j + 2 * h], dk[4 * j + 2 * h + 1]);
+            reduce_add2(args.dv_accum + at + 8 * j, dv[4 * j + 2 * h], dv[4 * j + 2 * h + 1]);
+          }
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < 64; ++i) {
+        dk[i] = 0.f;
+        dv[i] = 0.f;
+      }
+    }
+    if (flags & kStepLast) break;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Host side: one launch over every chunk's tiles of the forward's schedule (params.fwd.schedule).
+// ---------------------------------------------------------------------------------------------
+template <typename T>
+Strided<const T> strided_view(const TensorRef& ref) {
+  return {static_cast<const T*>(ref.ptr), ref.batch_stride, ref.seq_stride, ref.head_stride};
+}
+
+template <typename Element, int kM>
+cudaError_t launch_pipelined_m(const PipelinedArgs<Element>& args, int device, int grid, cudaStream_t stream) {
+  const PipelinedLayout layout = make_pipelined_layout();
+  const void* kernel = reinterpret_cast<const void*>(backward_pipelined<Element, kM>);
+  if (cudaError_t error = set_max_dynamic_smem(kernel, device, int(layout.total)); error != cudaSuccess) return error;
+  backward_pipelined<Element, kM><<<unsigned(grid), kPipelinedThreads, layout.total, stream>>>(args, layout);
+  return cudaGetLastError();
+}
+
+template <typename Element>
+Status run_pipelined_tiles(const Problem& pb, cudaStream_t stream) {
+  const BackwardParams& params = pb.params;
+  const ProblemShape& shape = params.fwd.shape;
+  const schedule::ScheduleLayout schedule_layout = schedule::make_schedule_layout(shape);
+  const char* schedule_base = static_cast<const char*>(params.fwd.schedule);
+  PipelinedArgs<Element> args;
+  args.q = strided_view<Element>(params.fwd.q);
+  args.k = strided_view<Element>(params.fwd.k);
+  args.v = strided_view<Element>(params.fwd.v);
+  args.q_proxy = strided_view<Element>(params.fwd.q_proxy);
+  args.k_proxy = strided_view<Element>(params.fwd.k_proxy);
+  args.dout = strided_view<Element>(params.dout);
+  args.lse = params.fwd.lse;
+  args.proxy_lse = params.fwd.proxy_lse;
+  args.delta = pb.ws.delta;
+  args.tiles = reinterpret_cast<const uint4*>(schedule_base + schedule_layout.tiles);
+  args.tile_offsets = reinterpret_cast<const uint32_t*>(schedule_base + schedule_layout.tile_offsets);
+  for (int i = 0; i < 2; ++i) {
+    args.entries[i] = reinterpret_cast<const uint32_t*>(schedule_base + schedule_layout.values[i]);
+  }
+  args.header = reinterpret_cast<const int32_t*>(schedule_base + schedule_layout.header);
+  args.num_keys = schedule_layout.num_keys;
+  args.dq_accum = pb.ws.dq_accum;
+  args.dk_accum = pb.ws.dk_accum;
+  args.dv_accum = pb.ws.dv_accum;
+  args.dq_proxy_accum = pb.ws.dq_proxy_accum;
+  args.dk_proxy_accum = pb.ws.dk_proxy_accum;
+  args.kl_partial = pb.ws.kl_partial;
+  args.seqlen = int(shape.seqlen);
+  args.num_blocks = int(shape.num_blocks());
+  args.batch = int(shape.batch);
+  args.num_heads = shape.num_heads;
+  args.num_kv_heads = shape.num_kv_heads;
+  args.num_proxy_heads = shape.num_proxy_heads;
+  args.proxy_heads_per_kv = shape.num_proxy_heads / shape.num_kv_heads;
+  args.proxy_ratio = shape.proxy_ratio();
+  args.top_k = shape.top_k;
+  args.scale_log2 = pb.scale_log2;
+  args.proxy_scale_log2 = pb.proxy_scale * kLog2e;
+  args.with_kl = pb.with_kl ? 1 : 0;
+  args.with_kl_grad = params.kl_grad != nullptr ? 1 : 0;
+
+  int device = 0;
+  int sm_count = 0;
+  cudaError_t error = current_device_sms(&device, &sm_count);
+  if (error == cudaSuccess) {
+    switch (pb.heads_per_proxy) {
+      case 2:
+        error = launch_pipelined_m<Element, 2>(args, device, sm_count, stream);
+        break;
+      case 4:
+        error = launch_pipelined_m<Element, 4>(args, device, sm_count, stream);
+        break;
+      case 8:
+        error = launch_pipelined_m<Element, 8>(args, device, sm_count, stream);
+        break;
+      default:
+        error = launch_pipelined_m<Element, 16>(args, device, sm_count, stream);
+        break;
+    }
+  }
+  if (error == cudaSuccess) return Status::Ok();
+  return {StatusCode::kCudaError, std::string("backward: pipelined tiles: ") + cudaGetErrorString(error)};
+}
+
+}  // namespace flashmsa::kernels::backward
