@@ -86,8 +86,8 @@ static_assert(kSmemBytes <= 227 * 1024, "backward shared memory over the sm_90 l
 constexpr int kPipelinedThreads = 3 * 128;  // producer warpgroup + two consumer warpgroups
 constexpr int kPipelinedProducerThreads = 128;
 constexpr int kPipelinedStages = 2;
-constexpr int kPipelinedProducerRegisters = 56;  // 128·56 + 256·224 = 64512 ≤ 65536
-constexpr int kPipelinedConsumerRegisters = 224;
+constexpr int kPipelinedProducerRegisters = 40;  // 128·40 + 256·232 = 64512 ≤ 65536
+constexpr int kPipelinedConsumerRegisters = 232;
 constexpr int kStepRows = 64;        // gathered main rows per step (the N of Sᵀ = K·Qᵀ)
 constexpr int kMaxStepTokens = 32;   // 4·⌊16/M⌋ for M ≥ 2
 constexpr int kProxyRowsPerStage = 32;

@@ -105,7 +105,7 @@ __device__ __forceinline__ StepKey decode_step_key(uint32_t key, const Pipelined
 template <typename Element>
 __device__ __forceinline__ void load_block(Element* tile, const Strided<const Element>& source, int b, int first_key,
                                            int head, int seqlen, int thread) {
-#pragma unroll 4
+#pragma unroll 2
   for (int index = thread; index < kKeys * 16; index += kPipelinedProducerThreads) {
     const int row = index >> 4;
     const int chunk = index & 15;
@@ -196,8 +196,21 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
       ptx::mbarrier_arrive(&q_full[pending % kPipelinedStages]);
       pending = -1;
     };
+    // Entries run one step ahead: thread i < 32 holds the entry of the step's token i, thread
+    // n < 64 that of step row n's token; the LSE, Δ and proxy LSE loads are issued before the stage
+    // is free and stored after the gathers are issued.
+    auto load_entries = [&](const uint4& at_tile, int k, uint32_t* token_entry, uint32_t* row_entry) {
+      const int count = min(kStepTokens, int(at_tile.z) - k * kStepTokens);
+      const uint32_t* base = entries + at_tile.y + k * kStepTokens;
+      *token_entry = thread < count ? base[thread] : 0xffffffffu;
+      const int local = thread < kStepRows ? row_token[thread] : kStepTokens;
+      *row_entry = local < count ? base[local] : 0xffffffffu;
+    };
     int step = 0;
     uint4 tile = num_tiles > 0 ? args.tiles[lo] : make_uint4(0, 0, 0, 0);
+    uint32_t token_entry = 0xffffffffu;
+    uint32_t row_entry = 0xffffffffu;
+    if (num_tiles > 0) load_entries(tile, 0, &token_entry, &row_entry);
     for (int t = 0; t < num_tiles; ++t) {
       const uint4 next_tile = t + 1 < num_tiles ? args.tiles[lo + t + 1] : make_uint4(0xffffffffu, 0, 0, 0);
       const uint32_t key_value = tile.x;
@@ -209,6 +222,20 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
         const int s = step % kPipelinedStages;
         const bool new_list = key_value != last_key;
         const int count = min(kStepTokens, tile_count - k * kStepTokens);
+        const int token = token_entry != 0xffffffffu ? int(token_entry >> schedule::kSlotBits) : -1;
+        const int row_token_pos = row_entry != 0xffffffffu ? int(row_entry >> schedule::kSlotBits) : -1;
+        float plse = __builtin_huge_valf();
+        if (token >= 0 && args.with_kl) {
+          plse = args.proxy_lse[(int64_t(key.b) * args.num_proxy_heads + key.proxy_head) * args.seqlen + token];
+        }
+        float lse = __builtin_huge_valf();
+        float delta = 0.f;
+        if (row_token_pos >= 0) {
+          const int64_t at =
+              (int64_t(key.b) * args.num_heads + key.proxy_head * kM + row_head[thread]) * args.seqlen + row_token_pos;
+          lse = args.lse[at];
+          delta = args.delta[at];
+        }
         ptx::mbarrier_wait(&q_empty[s], ((step / kPipelinedStages) & 1) ^ 1);
         if (new_list && step > 0) {
           // K, V and k_proxy are overwritten only after the previous step is done.
@@ -220,17 +247,8 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
         }
         StepMeta& m = meta[s];
         if (thread < kMaxStepTokens) {
-          const bool has = thread < count;
-          const uint32_t entry = has ? entries[tile.y + k * kStepTokens + thread] : 0u;
-          const int token = has ? int(entry >> schedule::kSlotBits) : -1;
           m.token[thread] = token;
-          m.slot[thread] = int(entry & ((1u << schedule::kSlotBits) - 1));
-          float plse = __builtin_huge_valf();
-          if (has && args.with_kl) {
-            plse = args.proxy_lse[(int64_t(key.b) * args.num_proxy_heads + key.proxy_head) * args.seqlen + token] *
-                   kLog2e;
-          }
-          m.proxy_lse[thread] = plse;
+          m.slot[thread] = int(token_entry & ((1u << schedule::kSlotBits) - 1));
           if (thread == 0) {
             const bool tile_last = k + 1 == steps;
             const bool list_last = tile_last && next_tile.x != key_value;
@@ -244,20 +262,6 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
           }
         }
         ptx::named_barrier_sync(1, kPipelinedProducerThreads);
-        if (thread < kStepRows) {
-          const int local = row_token[thread];
-          const int token = local < count ? m.token[local] : -1;
-          float lse = __builtin_huge_valf();
-          float delta = 0.f;
-          if (token >= 0) {
-            const int64_t at =
-                (int64_t(key.b) * args.num_heads + key.proxy_head * kM + row_head[thread]) * args.seqlen + token;
-            lse = args.lse[at] * kLog2e;
-            delta = args.delta[at];
-          }
-          m.lse[thread] = lse;
-          m.delta[thread] = delta;
-        }
         if (new_list) {
           load_block(k_tile, args.k, key.b, first_key, key.kv_head, args.seqlen, thread);
           load_block(v_tile, args.v, key.b, first_key, key.kv_head, args.seqlen, thread);
@@ -270,7 +274,7 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
         {
           Element* q_dst = q_stages + s * kRowElements + sw128_offset(kStepRows, first_row, chunk);
           Element* do_dst = do_stages + s * kRowElements + sw128_offset(kStepRows, first_row, chunk);
-#pragma unroll 4
+#pragma unroll 1
           for (int i = 0; i < kStepRows / 8; ++i) {
             const int n = first_row + 8 * i;
             const int local = row_token[n];
@@ -292,6 +296,16 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
                 valid ? args.q_proxy.row(key.b, m.token[local], key.proxy_head) + chunk * 8 : args.q_proxy.ptr;
             ptx::cp_async_16(qp_dst + sw128_offset(kProxyRowsPerStage, n, chunk), src, valid);
           }
+        }
+        if (thread < kMaxStepTokens) m.proxy_lse[thread] = plse * kLog2e;
+        if (thread < kStepRows) {
+          m.lse[thread] = lse * kLog2e;
+          m.delta[thread] = delta;
+        }
+        if (k + 1 < steps) {
+          load_entries(tile, k + 1, &token_entry, &row_entry);
+        } else if (t + 1 < num_tiles) {
+          load_entries(next_tile, 0, &token_entry, &row_entry);
         }
         ptx::cp_async_commit();
         if (pending >= 0) {
@@ -391,10 +405,8 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
         ptx::WgmmaSS<Element, kProxyCols>::run(proxy, desc_kp, desc_qp, k_step > 0 ? 1u : 0u);
       }
       ptx::wgmma_commit_group();
-      ptx::wgmma_wait_group<1>();
-    } else {
-      ptx::wgmma_wait_group<0>();
     }
+    ptx::wgmma_wait_group<0>();
     ptx::fence_accumulators(score);
     ptx::fence_accumulators(dprob);
 
@@ -471,7 +483,6 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
 
     // ---- KL: π, g = π − t, the KL terms; g and the q_proxy rows staged --------------------------------
     if (args.with_kl) {
-      ptx::wgmma_wait_group<1>();  // the proxy scores
       ptx::fence_accumulators(proxy);
       float kl[kT];
 #pragma unroll
@@ -524,6 +535,10 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
     ptx::named_barrier_sync(kMidBarrier, 256);
 
     // ---- dQ = dS·K: this warpgroup's 64 dims, K MN-major ----------------------------------------------
+    // dV and dK first: their register operands (P, dS) are then free for the dQ accumulators.
+    ptx::wgmma_wait_group<0>();
+    ptx::fence_accumulators(dk);
+    ptx::fence_accumulators(dv);
     float dq[32];
     ptx::wgmma_fence();
 #pragma unroll
@@ -545,8 +560,6 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
     }
     ptx::wgmma_wait_group<0>();
     ptx::fence_accumulators(dq);
-    ptx::fence_accumulators(dk);
-    ptx::fence_accumulators(dv);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int n = warp * 16 + lane / 4 + 8 * h;
