@@ -14,7 +14,9 @@
 // Roles (3 warpgroups):
 //   producer   warpgroup 0. Per step: writes the step's tokens, slots, LSE, Δ and proxy LSE to the
 //              stage's metadata and issues cp.async gathers of Q, dO (64 rows) and q_proxy (the
-//              proxy rows in the same column order); released one step late as in the forward.
+//              proxy rows in the same column order); a step is released (async-proxy fence, then
+//              the stage barrier) when its copies have landed, before the next step waits for a
+//              free stage.
 //              On a new list it waits for the previous step to finish and loads K, V and k_proxy.
 //   consumers  warpgroups 1-2; warpgroup c owns keys [64c, 64c + 64) of the block:
 //              Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ     wgmma m64n64k16, both from shared memory
@@ -236,13 +238,16 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
           lse = args.lse[at];
           delta = args.delta[at];
         }
+        // The previous step is released as soon as its copies land, before this step waits for its
+        // stage: with two stages, waiting for the stage first would make the consumers wait for this
+        // step's issue after every step.
+        if (pending >= 0) {
+          ptx::cp_async_wait<0>();
+          release_pending();
+        }
         ptx::mbarrier_wait(&q_empty[s], ((step / kPipelinedStages) & 1) ^ 1);
         if (new_list && step > 0) {
           // K, V and k_proxy are overwritten only after the previous step is done.
-          if (pending >= 0) {
-            ptx::cp_async_wait<0>();
-            release_pending();
-          }
           ptx::mbarrier_wait(&q_empty[(step - 1) % kPipelinedStages], ((step - 1) / kPipelinedStages) & 1);
         }
         StepMeta& m = meta[s];
@@ -308,10 +313,6 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
           load_entries(next_tile, 0, &token_entry, &row_entry);
         }
         ptx::cp_async_commit();
-        if (pending >= 0) {
-          ptx::cp_async_wait<1>();
-          release_pending();
-        }
         pending = step;
         pending_new_list = new_list;
         last_key = key_value;
