@@ -92,7 +92,9 @@ struct ForwardParams {
   TensorRef v;        // [b, s, hkv, d]
   TensorRef q_proxy;  // [b, s, hp, di]
   TensorRef k_proxy;  // [b, s, hpk, di]
-  const int32_t* block_idx = nullptr;  // [b, hp, s, k]; ignored in warmup mode
+  // [b, hp, s, k]; ignored in warmup mode. Each row names a block at most once (select() writes
+  // distinct blocks; -1 marks an empty slot): the wgmma kernels count a repeated block twice.
+  const int32_t* block_idx = nullptr;
   const void* schedule = nullptr;      // ScheduleParams::workspace after schedule(); sparse mode
 
   TensorRef out;                 // [b, s, h, d], input dtype
