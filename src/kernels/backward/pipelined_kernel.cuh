@@ -56,7 +56,11 @@
 
 namespace flashmsa::kernels::backward {
 
+using forward::decode_list_key;
+using forward::ListKey;
+using forward::load_key_block;
 using forward::Strided;
+using forward::strided;
 using forward::sw128_offset;
 
 template <typename Element>
@@ -82,40 +86,6 @@ struct PipelinedArgs {
   int with_kl;       // KL terms (value or gradient)
   int with_kl_grad;  // dq_proxy, dk_proxy
 };
-
-struct StepKey {
-  int b, kv_head, block, proxy_head;
-  uint32_t unit;  // the key without the proxy head: (chunk, b, g, c)
-};
-
-template <typename Element>
-__device__ __forceinline__ StepKey decode_step_key(uint32_t key, const PipelinedArgs<Element>& args) {
-  StepKey out;
-  const int proxy_local = int(key % uint32_t(args.proxy_heads_per_kv));
-  key /= uint32_t(args.proxy_heads_per_kv);
-  out.unit = key;
-  out.block = int(key % uint32_t(args.num_blocks));
-  key /= uint32_t(args.num_blocks);
-  out.kv_head = int(key % uint32_t(args.num_kv_heads));
-  key /= uint32_t(args.num_kv_heads);
-  out.b = int(key % uint32_t(args.batch));
-  out.proxy_head = out.kv_head * args.proxy_heads_per_kv + proxy_local;
-  return out;
-}
-
-// One producer thread's share of the cp.async copies of a 128-key block (keys ≥ S zero-filled).
-template <typename Element>
-__device__ __forceinline__ void load_block(Element* tile, const Strided<const Element>& source, int b, int first_key,
-                                           int head, int seqlen, int thread) {
-#pragma unroll 2
-  for (int index = thread; index < kKeys * 16; index += kPipelinedProducerThreads) {
-    const int row = index >> 4;
-    const int chunk = index & 15;
-    const bool valid = first_key + row < seqlen;
-    const Element* src = valid ? source.row(b, first_key + row, head) + chunk * 8 : source.ptr;
-    ptx::cp_async_16(tile + sw128_offset(kKeys, row, chunk), src, valid);
-  }
-}
 
 template <typename Element, int kM>
 __global__ void __launch_bounds__(kPipelinedThreads, 1)
@@ -216,7 +186,7 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
     for (int t = 0; t < num_tiles; ++t) {
       const uint4 next_tile = t + 1 < num_tiles ? args.tiles[lo + t + 1] : make_uint4(0xffffffffu, 0, 0, 0);
       const uint32_t key_value = tile.x;
-      const StepKey key = decode_step_key(key_value, args);
+      const ListKey key = decode_list_key(key_value, args);
       const int first_key = key.block * kBlockSize;
       const int tile_count = int(tile.z);
       const int steps = (tile_count + kStepTokens - 1) / kStepTokens;
@@ -268,10 +238,10 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
         }
         ptx::named_barrier_sync(1, kPipelinedProducerThreads);
         if (new_list) {
-          load_block(k_tile, args.k, key.b, first_key, key.kv_head, args.seqlen, thread);
-          load_block(v_tile, args.v, key.b, first_key, key.kv_head, args.seqlen, thread);
+          load_key_block<2>(k_tile, args.k, key.b, first_key, key.kv_head, args.seqlen, thread);
+          load_key_block<2>(v_tile, args.v, key.b, first_key, key.kv_head, args.seqlen, thread);
           if (args.with_kl) {
-            load_block(kp_tile, args.k_proxy, key.b, first_key, key.proxy_head / args.proxy_ratio, args.seqlen,
+            load_key_block<2>(kp_tile, args.k_proxy, key.b, first_key, key.proxy_head / args.proxy_ratio, args.seqlen,
                        thread);
           }
         }
@@ -345,6 +315,21 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
     dk[i] = 0.f;
     dv[i] = 0.f;
   }
+  // acc (+)= (this warpgroup's 64 rows of a key tile) · rowsᵀ over the 128 dims: both operands
+  // K-major, `rows_per_half` rows per 64-dim half of the row tile.
+  auto key_gemm = [&](auto& acc, const Element* key_tile, const Element* row_tile, int rows_per_half) {
+    constexpr int kN = int(sizeof(acc) / sizeof(float)) * 2;
+#pragma unroll
+    for (int k_step = 0; k_step < kHeadDim / 16; ++k_step) {
+      const int half = k_step / 4;
+      const uint32_t advance = (k_step % 4) * 32;
+      const uint64_t desc_a = ptx::advance_desc(
+          ptx::make_sw128_kmajor_desc(key_tile + half * kKeys * 64 + consumer * 64 * 64), advance);
+      const uint64_t desc_b =
+          ptx::advance_desc(ptx::make_sw128_kmajor_desc(row_tile + half * rows_per_half * 64), advance);
+      ptx::WgmmaSS<Element, kN>::run(acc, desc_a, desc_b, k_step > 0 ? 1u : 0u);
+    }
+  };
   uint32_t last_key = 0xffffffffu;
   int lists_seen = 0;
   int staged = 0;  // tokens of (π − t, q_proxy) staged for the proxy gradients
@@ -362,7 +347,7 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
       ++lists_seen;
       last_key = key_value;
     }
-    const StepKey key = decode_step_key(key_value, args);
+    const ListKey key = decode_list_key(key_value, args);
     const int first_key = key.block * kBlockSize;
     const bool need_mask = m.token[0] < first_key + kBlockSize - 1;
     const Element* q_tile = q_stages + s * kRowElements;
@@ -374,37 +359,11 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
     float dprob[32];
     float proxy[kProxyCols / 2];
     ptx::wgmma_fence();
-#pragma unroll
-    for (int k_step = 0; k_step < kHeadDim / 16; ++k_step) {
-      const int half = k_step / 4;
-      const uint32_t advance = (k_step % 4) * 32;
-      const uint64_t desc_k = ptx::advance_desc(
-          ptx::make_sw128_kmajor_desc(k_tile + half * kKeys * 64 + consumer * 64 * 64), advance);
-      const uint64_t desc_q = ptx::advance_desc(ptx::make_sw128_kmajor_desc(q_tile + half * kStepRows * 64), advance);
-      ptx::WgmmaSS<Element, 64>::run(score, desc_k, desc_q, k_step > 0 ? 1u : 0u);
-    }
-#pragma unroll
-    for (int k_step = 0; k_step < kHeadDim / 16; ++k_step) {
-      const int half = k_step / 4;
-      const uint32_t advance = (k_step % 4) * 32;
-      const uint64_t desc_v = ptx::advance_desc(
-          ptx::make_sw128_kmajor_desc(v_tile + half * kKeys * 64 + consumer * 64 * 64), advance);
-      const uint64_t desc_do =
-          ptx::advance_desc(ptx::make_sw128_kmajor_desc(do_tile + half * kStepRows * 64), advance);
-      ptx::WgmmaSS<Element, 64>::run(dprob, desc_v, desc_do, k_step > 0 ? 1u : 0u);
-    }
+    key_gemm(score, k_tile, q_tile, kStepRows);
+    key_gemm(dprob, v_tile, do_tile, kStepRows);
     ptx::wgmma_commit_group();
     if (args.with_kl) {
-#pragma unroll
-      for (int k_step = 0; k_step < kHeadDim / 16; ++k_step) {
-        const int half = k_step / 4;
-        const uint32_t advance = (k_step % 4) * 32;
-        const uint64_t desc_kp = ptx::advance_desc(
-            ptx::make_sw128_kmajor_desc(kp_tile + half * kKeys * 64 + consumer * 64 * 64), advance);
-        const uint64_t desc_qp =
-            ptx::advance_desc(ptx::make_sw128_kmajor_desc(qp_tile + half * kProxyRowsPerStage * 64), advance);
-        ptx::WgmmaSS<Element, kProxyCols>::run(proxy, desc_kp, desc_qp, k_step > 0 ? 1u : 0u);
-      }
+      key_gemm(proxy, kp_tile, qp_tile, kProxyRowsPerStage);
       ptx::wgmma_commit_group();
     }
     ptx::wgmma_wait_group<0>();
@@ -667,11 +626,6 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
 // ---------------------------------------------------------------------------------------------
 // Host side: one launch over every chunk's tiles of the forward's schedule (params.fwd.schedule).
 // ---------------------------------------------------------------------------------------------
-template <typename T>
-Strided<const T> strided_view(const TensorRef& ref) {
-  return {static_cast<const T*>(ref.ptr), ref.batch_stride, ref.seq_stride, ref.head_stride};
-}
-
 template <typename Element, int kM>
 cudaError_t launch_pipelined_m(const PipelinedArgs<Element>& args, int device, int grid, cudaStream_t stream) {
   const PipelinedLayout layout = make_pipelined_layout();
@@ -688,12 +642,12 @@ Status run_pipelined_tiles(const Problem& pb, cudaStream_t stream) {
   const schedule::ScheduleLayout schedule_layout = schedule::make_schedule_layout(shape);
   const char* schedule_base = static_cast<const char*>(params.fwd.schedule);
   PipelinedArgs<Element> args;
-  args.q = strided_view<Element>(params.fwd.q);
-  args.k = strided_view<Element>(params.fwd.k);
-  args.v = strided_view<Element>(params.fwd.v);
-  args.q_proxy = strided_view<Element>(params.fwd.q_proxy);
-  args.k_proxy = strided_view<Element>(params.fwd.k_proxy);
-  args.dout = strided_view<Element>(params.dout);
+  args.q = strided<const Element>(params.fwd.q);
+  args.k = strided<const Element>(params.fwd.k);
+  args.v = strided<const Element>(params.fwd.v);
+  args.q_proxy = strided<const Element>(params.fwd.q_proxy);
+  args.k_proxy = strided<const Element>(params.fwd.k_proxy);
+  args.dout = strided<const Element>(params.dout);
   args.lse = params.fwd.lse;
   args.proxy_lse = params.fwd.proxy_lse;
   args.delta = pb.ws.delta;

@@ -39,6 +39,12 @@ struct Strided {
   }
 };
 
+// The typed view of a TensorRef (host side, for the launchers).
+template <typename T>
+Strided<T> strided(const TensorRef& ref) {
+  return {static_cast<T*>(ref.ptr), ref.batch_stride, ref.seq_stride, ref.head_stride};
+}
+
 template <typename Element>
 struct TileArgs {
   Strided<const Element> q, k, v, q_proxy, k_proxy;

@@ -14,11 +14,6 @@
 
 namespace flashmsa::kernels::forward {
 
-template <typename T>
-Strided<T> strided(const TensorRef& ref) {
-  return {static_cast<T*>(ref.ptr), ref.batch_stride, ref.seq_stride, ref.head_stride};
-}
-
 inline Status cuda_status(cudaError_t error, const char* what) {
   if (error == cudaSuccess) return Status::Ok();
   return {StatusCode::kCudaError, std::string("forward: ") + what + ": " + cudaGetErrorString(error)};

@@ -61,15 +61,19 @@ __device__ __forceinline__ int sw128_offset(int rows_per_half, int row, int chun
   return (chunk >> 3) * rows_per_half * 64 + row * 64 + (((chunk & 7) ^ (row & 7)) << 3);
 }
 
+// A schedule list key (schedule/config.h) decoded; `unit` is the key without the proxy head:
+// (chunk, b, g, c), whose lists share K and V. Args: any argument block with the four counts.
 struct ListKey {
   int b, kv_head, block, proxy_head;
+  uint32_t unit;
 };
 
-template <typename Element>
-__device__ __forceinline__ ListKey decode_list_key(uint32_t key, const TileArgs<Element>& args) {
+template <typename Args>
+__device__ __forceinline__ ListKey decode_list_key(uint32_t key, const Args& args) {
   ListKey out;
   const int proxy_local = int(key % uint32_t(args.proxy_heads_per_kv));
   key /= uint32_t(args.proxy_heads_per_kv);
+  out.unit = key;
   out.block = int(key % uint32_t(args.num_blocks));
   key /= uint32_t(args.num_blocks);
   out.kv_head = int(key % uint32_t(args.num_kv_heads));
@@ -79,11 +83,12 @@ __device__ __forceinline__ ListKey decode_list_key(uint32_t key, const TileArgs<
   return out;
 }
 
-// One thread's share of the cp.async copies of a 128-key block (keys ≥ S zero-filled).
-template <typename Element>
+// One producer thread's share (of 128) of the cp.async copies of a 128-key block (keys ≥ S
+// zero-filled); kUnroll trades the copies in flight against the producer's registers.
+template <int kUnroll = 4, typename Element>
 __device__ __forceinline__ void load_key_block(Element* tile, const Strided<const Element>& source, int b,
                                                int first_key, int head, int seqlen, int thread) {
-#pragma unroll 4
+#pragma unroll kUnroll
   for (int index = thread; index < kTileRows * 16; index += kPipelinedProducerThreads) {
     const int row = index >> 4;
     const int chunk = index & 15;
