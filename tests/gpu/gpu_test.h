@@ -4,6 +4,12 @@
 
 #include <gtest/gtest.h>
 
+#include <cstdint>
+#include <cstdlib>
+#include <functional>
+#include <random>
+#include <string>
+
 #include "common/cases.h"
 #include "common/device_buffers.h"
 #include "flashmsa/api.h"
@@ -15,3 +21,19 @@
       GTEST_SKIP() << "no Hopper GPU (H100/H200) on this machine: GPU test skipped";        \
     }                                                                                       \
   } while (0)
+
+namespace flashmsa::testing {
+
+// The seed of a test's random inputs: fresh on every run (salted with the case name), or the value
+// of FLASHMSA_TEST_SEED to replay a failure. FLASHMSA_SEED_TRACE puts it in every failure message.
+inline uint64_t test_seed(const std::string& salt) {
+  if (const char* fixed = std::getenv("FLASHMSA_TEST_SEED")) return std::strtoull(fixed, nullptr, 0);
+  std::random_device device;
+  const uint64_t fresh = (uint64_t(device()) << 32) | device();
+  return std::hash<std::string>{}(salt) ^ fresh;
+}
+
+}  // namespace flashmsa::testing
+
+#define FLASHMSA_SEED_TRACE(seed) \
+  SCOPED_TRACE("seed " + std::to_string(seed) + " (FLASHMSA_TEST_SEED=" + std::to_string(seed) + " replays it)")

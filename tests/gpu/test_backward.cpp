@@ -453,7 +453,9 @@ class BackwardMatchesReference : public ::testing::TestWithParam<BackwardCase> {
 TEST_P(BackwardMatchesReference, AllGradientsAndKl) {
   FLASHMSA_REQUIRE_HOPPER();
   const BackwardCase& c = GetParam();
-  check_case(c, std::hash<std::string>{}(c.name) ^ uint64_t(std::random_device{}()));
+  const uint64_t seed = testing::test_seed(c.name);
+  FLASHMSA_SEED_TRACE(seed);
+  check_case(c, seed);
 }
 
 INSTANTIATE_TEST_SUITE_P(Cases, BackwardMatchesReference, ::testing::ValuesIn(correctness_cases()), case_name);
@@ -477,7 +479,9 @@ std::vector<uint16_t> all_bits(const DeviceProblem& d) {
 }
 
 void check_reruns_bitwise_equal(const BackwardCase& c, int reruns) {
-  const HostProblem host = make_host_problem(c, uint64_t(std::random_device{}()));
+  const uint64_t seed = testing::test_seed(c.name);
+  FLASHMSA_SEED_TRACE(seed);
+  const HostProblem host = make_host_problem(c, seed);
   DeviceProblem d;
   make_device_problem(c, host, /*deterministic=*/true, d);
   ASSERT_TRUE(backward(d.params, nullptr).ok());

@@ -447,7 +447,9 @@ class WarmupMatchesReference : public ::testing::TestWithParam<WarmupCase> {};
 TEST_P(WarmupMatchesReference, ForwardBackwardAndKl) {
   FLASHMSA_REQUIRE_HOPPER();
   const WarmupCase& c = GetParam();
-  check_case(c, std::hash<std::string>{}(c.name) ^ uint64_t(std::random_device{}()));
+  const uint64_t seed = testing::test_seed(c.name);
+  FLASHMSA_SEED_TRACE(seed);
+  check_case(c, seed);
 }
 
 INSTANTIATE_TEST_SUITE_P(Named, WarmupMatchesReference, ::testing::ValuesIn(named_cases()), case_name);
@@ -476,7 +478,8 @@ TEST(WarmupDeterministic, TwentyRerunsBitwiseEqual) {
   FLASHMSA_REQUIRE_HOPPER();
   const WarmupCase c{"det_seed_b2", 2, 700, 16, 2, 4, 1, DType::kBF16};
   const ProblemShape s = shape_of(c);
-  const uint64_t seed = std::random_device{}();
+  const uint64_t seed = testing::test_seed(c.name);
+  FLASHMSA_SEED_TRACE(seed);
   const reference::Inputs in = reference::random_inputs(s, seed, c.dtype);
   const std::vector<double> dout = random_dout(s, seed ^ 0xd0, c.dtype);
   DeviceProblem d;
