@@ -288,7 +288,8 @@ class SelectTest : public ::testing::TestWithParam<SelectCase> {};
 TEST_P(SelectTest, MatchesReference) {
   FLASHMSA_REQUIRE_HOPPER();
   const SelectCase& c = GetParam();
-  const uint64_t seed = std::hash<std::string>{}(case_name(c));
+  const uint64_t seed = testing::test_seed(case_name(c));
+  FLASHMSA_SEED_TRACE(seed);
   const reference::Inputs in = make_inputs(c, seed);
   const ProblemShape& s = in.shape;
 
