@@ -4,6 +4,8 @@
 // 128-byte swizzle's atom), and the pipelines keep at least two stages.
 #include <gtest/gtest.h>
 
+#include <vector>
+
 #include "kernels/backward/config.h"
 #include "kernels/forward/config.h"
 #include "cpu/shapes.h"
@@ -70,6 +72,37 @@ TEST(PipelinedBackwardLayout, ServesPowerOfTwoHeadMapsInNonDeterministicMode) {
       EXPECT_LE(4 * (16 / m), kernels::backward::kMaxStepTokens) << "M = " << m;
       EXPECT_LE(4 * (16 / m), kernels::backward::kFlushTokens) << "M = " << m;
     }
+  }
+}
+
+// The permuted step rows of the wgmma backward (backward/config.h): the 64 rows are every (token,
+// head) pair of the step's tokens exactly once, and the thread that holds a token's M main columns
+// (lane % 4 = row_quad) also holds its proxy column, which is what puts the KL teacher and student
+// of a (key, token) in one thread.
+TEST(PipelinedBackwardLayout, StepRowsAreATokenMajorPermutation) {
+  namespace bw = kernels::backward;
+  for (int m : {2, 4, 8, 16}) {
+    std::vector<int> seen(bw::step_tokens(m) * m, 0);
+    for (int n = 0; n < bw::kStepRows; ++n) {
+      const int token = bw::step_row_token(n, m);
+      const int head = bw::step_row_head(n, m);
+      ASSERT_GE(token, 0);
+      ASSERT_LT(token, bw::step_tokens(m)) << "M = " << m << ", row " << n;
+      ASSERT_LT(head, m);
+      ++seen[token * m + head];
+      EXPECT_EQ(bw::row_quad(n), bw::row_quad(bw::proxy_row_of_token(token, m))) << "M = " << m << ", row " << n;
+    }
+    for (int count : seen) EXPECT_EQ(count, 1) << "M = " << m;
+    int proxy_rows = 0;
+    for (int n = 0; n < bw::kProxyRowsPerStage; ++n) {
+      const int token = bw::proxy_row_token(n, m);
+      if (token < 0) continue;
+      ++proxy_rows;
+      EXPECT_LT(n, bw::proxy_columns(m)) << "M = " << m;
+      EXPECT_EQ(bw::proxy_row_of_token(token, m), n) << "M = " << m;
+    }
+    EXPECT_EQ(proxy_rows, bw::step_tokens(m)) << "M = " << m;
+    EXPECT_LE(bw::proxy_columns(m), bw::kProxyRowsPerStage) << "M = " << m;
   }
 }
 

@@ -89,13 +89,38 @@ constexpr int kPipelinedStages = 2;
 constexpr int kPipelinedProducerRegisters = 40;  // 128·40 + 256·232 = 64512 ≤ 65536
 constexpr int kPipelinedConsumerRegisters = 232;
 constexpr int kStepRows = 64;        // gathered main rows per step (the N of Sᵀ = K·Qᵀ)
-constexpr int kMaxStepTokens = 32;   // 4·⌊16/M⌋ for M ≥ 2
+constexpr int kMaxStepTokens = 32;   // step_tokens(M) for M ≥ 2
 constexpr int kProxyRowsPerStage = 32;
 constexpr int kFlushTokens = 32;     // tokens of (π − t, q_proxy) staged before dk_proxy, dq_proxy
 
 inline bool pipelined_supported(int heads_per_proxy, bool deterministic) {
   const int m = heads_per_proxy;
   return !deterministic && (m == 2 || m == 4 || m == 8 || m == 16);
+}
+
+// The permuted row order of a step (M a power of two ≤ 16, T = 16/M tokens per lane quad). Row n
+// of a step is column n = 8j + 2q + e of the transposed accumulators, held by the threads with
+// lane % 4 = q as their column c = 2j + e; it carries token q·T + c/M, head c % M. The proxy rows
+// (one per token) follow the same rule with M = 1, so a token's M main columns and its proxy
+// column belong to the same thread.
+constexpr int step_tokens_per_quad(int m) { return 16 / m; }
+constexpr int step_tokens(int m) { return 4 * step_tokens_per_quad(m); }
+constexpr int proxy_columns(int m) {
+  return step_tokens_per_quad(m) <= 2 ? 8 : (step_tokens_per_quad(m) <= 4 ? 16 : 32);
+}
+constexpr int row_quad(int n) { return (n % 8) / 2; }
+constexpr int row_column(int n) { return 2 * (n / 8) + n % 2; }
+constexpr int step_row_token(int n, int m) { return row_quad(n) * step_tokens_per_quad(m) + row_column(n) / m; }
+constexpr int step_row_head(int n, int m) { return row_column(n) % m; }
+// Proxy row n -> its token, -1 for a padding row; and the proxy row of token t.
+constexpr int proxy_row_token(int n, int m) {
+  return row_column(n) < step_tokens_per_quad(m) && n < proxy_columns(m)
+             ? row_quad(n) * step_tokens_per_quad(m) + row_column(n)
+             : -1;
+}
+constexpr int proxy_row_of_token(int t, int m) {
+  const int c = t % step_tokens_per_quad(m);
+  return 8 * (c / 2) + 2 * (t / step_tokens_per_quad(m)) + c % 2;
 }
 
 // Per-stage metadata written by the producer, read by the consumers.

@@ -90,9 +90,9 @@ struct PipelinedArgs {
 template <typename Element, int kM>
 __global__ void __launch_bounds__(kPipelinedThreads, 1)
     backward_pipelined(const PipelinedArgs<Element> args, const PipelinedLayout layout) {
-  constexpr int kT = 16 / kM;                      // tokens per lane quad column group
-  constexpr int kStepTokens = 4 * kT;              // tokens per step
-  constexpr int kProxyCols = kT <= 2 ? 8 : (kT <= 4 ? 16 : 32);
+  constexpr int kT = step_tokens_per_quad(kM);
+  constexpr int kStepTokens = step_tokens(kM);
+  constexpr int kProxyCols = proxy_columns(kM);
   constexpr int kRowElements = kStepRows * kHeadDim;
   constexpr int kProxyElements = kProxyRowsPerStage * kHeadDim;
   using Mma128 = ptx::Wgmma64x128x16<Element>;
@@ -113,7 +113,7 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
   int32_t* flush_token = reinterpret_cast<int32_t*>(smem + layout.flush_token);
   int32_t* row_token = reinterpret_cast<int32_t*>(smem + layout.rows);  // step row -> token in step
   int32_t* row_head = row_token + kStepRows;                              // step row -> head in group
-  int32_t* proxy_row_token = row_head + kStepRows;                        // proxy row -> token in step
+  int32_t* proxy_row_tokens = row_head + kStepRows;                        // proxy row -> token in step
   uint64_t* barriers = reinterpret_cast<uint64_t*>(smem + layout.barriers);
   uint64_t* q_full = barriers;
   uint64_t* q_empty = barriers + kPipelinedStages;
@@ -128,16 +128,10 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
     ptx::fence_barrier_init();
   }
   if (threadIdx.x < kStepRows) {
-    const int n = threadIdx.x;
-    const int c = 2 * (n / 8) + n % 2;  // the column's index among its thread's 16
-    const int quad = (n % 8) / 2;
-    row_token[n] = quad * kT + c / kM;
-    row_head[n] = c % kM;
+    row_token[threadIdx.x] = step_row_token(threadIdx.x, kM);
+    row_head[threadIdx.x] = step_row_head(threadIdx.x, kM);
   } else if (threadIdx.x < kStepRows + kProxyRowsPerStage) {
-    const int n = threadIdx.x - kStepRows;
-    const int c = 2 * (n / 8) + n % 2;
-    const int quad = (n % 8) / 2;
-    proxy_row_token[n] = (c < kT && n < kProxyCols) ? quad * kT + c : -1;
+    proxy_row_tokens[threadIdx.x - kStepRows] = proxy_row_token(threadIdx.x - kStepRows, kM);
   } else if (threadIdx.x >= 128) {
     // π − t of unused staged columns must be finite: they meet zero q_proxy rows.
     for (int i = threadIdx.x - 128; i < kKeys * 64 / 8; i += 256) {
@@ -265,7 +259,7 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
         if (args.with_kl) {
           Element* qp_dst = qp_stages + s * kProxyElements;
           for (int n = first_row; n < kProxyCols; n += 8) {
-            const int local = proxy_row_token[n];
+            const int local = proxy_row_tokens[n];
             const bool valid = local >= 0 && local < count;
             const Element* src =
                 valid ? args.q_proxy.row(key.b, m.token[local], key.proxy_head) + chunk * 8 : args.q_proxy.ptr;
@@ -483,7 +477,7 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
           const int chunk = index % 16;
           uint4 value = make_uint4(0, 0, 0, 0);
           if (local < count) {
-            const int n = 8 * ((local % kT) / 2) + 2 * (local / kT) + (local % kT) % 2;  // its proxy row
+            const int n = proxy_row_of_token(local, kM);
             value = *reinterpret_cast<const uint4*>(qp_tile + sw128_offset(kProxyRowsPerStage, n, chunk));
           }
           *reinterpret_cast<uint4*>(qp_flush + sw128_offset(kFlushTokens, staged + local, chunk)) = value;
