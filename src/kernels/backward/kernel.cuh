@@ -28,6 +28,7 @@
 
 #include "flashmsa/api.h"
 #include "kernels/backward/config.h"
+#include "kernels/common/backward_common.cuh"
 #include "kernels/common/device_cache.h"
 #include "kernels/backward/mma.cuh"
 #include "kernels/backward/pipelined_kernel.cuh"
@@ -35,47 +36,6 @@
 
 namespace flashmsa::kernels::backward {
 
-
-template <typename T>
-__device__ __forceinline__ const T* row_pointer(const TensorRef& ref, int64_t batch, int64_t token,
-                                                int head) {
-  return static_cast<const T*>(ref.ptr) + batch * ref.batch_stride + token * ref.seq_stride +
-         head * ref.head_stride;
-}
-template <typename T>
-__device__ __forceinline__ T* row_pointer_mut(const TensorRef& ref, int64_t batch, int64_t token,
-                                              int head) {
-  return static_cast<T*>(ref.ptr) + batch * ref.batch_stride + token * ref.seq_stride +
-         head * ref.head_stride;
-}
-
-// ḡ σp / (B·Hp·S): the factor between π - t and the proxy-logit gradient, 0 without kl_grad.
-__device__ __forceinline__ float kl_factor(const Problem& pb) {
-  if (pb.params.kl_grad == nullptr) return 0.f;
-  const ProblemShape& shape = pb.params.fwd.shape;
-  const float rows = float(shape.batch) * float(shape.num_proxy_heads) * float(shape.seqlen);
-  return *pb.params.kl_grad * pb.proxy_scale / rows;
-}
-
-// ---------------------------------------------------------------------------------------------
-// Δ pre-pass: one warp per (b, i, h), 4 elements per lane.
-// ---------------------------------------------------------------------------------------------
-template <typename T>
-__global__ void __launch_bounds__(kThreads) compute_delta_kernel(const Problem pb) {
-  const ProblemShape& shape = pb.params.fwd.shape;
-  const int lane = threadIdx.x & 31;
-  const int64_t row = int64_t(blockIdx.x) * kWarps + (threadIdx.x >> 5);  // (b, i, h)
-  if (row >= shape.batch * shape.seqlen * shape.num_heads) return;
-  const int head = int(row % shape.num_heads);
-  const int64_t token = (row / shape.num_heads) % shape.seqlen;
-  const int64_t batch = row / (shape.num_heads * shape.seqlen);
-  const T* out = row_pointer<T>(pb.params.fwd.out, batch, token, head) + lane * 4;
-  const T* dout = row_pointer<T>(pb.params.dout, batch, token, head) + lane * 4;
-  float sum = 0.f;
-  for (int e = 0; e < 4; ++e) sum = fmaf(to_float(out[e]), to_float(dout[e]), sum);
-  for (int offset = 16; offset > 0; offset >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-  if (lane == 0) pb.ws.delta[(batch * shape.num_heads + head) * shape.seqlen + token] = sum;
-}
 
 // ---------------------------------------------------------------------------------------------
 // The tile kernel: roles inside one CTA of 8 warps.
@@ -102,7 +62,7 @@ __device__ __forceinline__ void load_key_block(uint16_t* tile, const TensorRef& 
     const int col = (chunk & 15) * 8;
     const int64_t key = first_key + row;
     const bool valid = key < seqlen;
-    const T* source = valid ? row_pointer<T>(ref, batch, key, head) + col : static_cast<const T*>(ref.ptr);
+    const T* source = valid ? strided<const T>(ref).row(batch, key, head) + col : static_cast<const T*>(ref.ptr);
     cp_async_16(&tile[swizzle(row, col)], source, valid);
   }
 }
@@ -217,9 +177,9 @@ __device__ void run_tile(const Problem& pb, SharedStorage& smem, ItemState& stat
     const int col = (chunk & 15) * 8;
     const int token = smem.row_token[row];
     const bool valid = token >= 0;
-    const T* q = valid ? row_pointer<T>(params.fwd.q, state.batch, token, smem.row_head[row]) + col
+    const T* q = valid ? strided<const T>(params.fwd.q).row(state.batch, token, smem.row_head[row]) + col
                        : static_cast<const T*>(params.fwd.q.ptr);
-    const T* dout = valid ? row_pointer<T>(params.dout, state.batch, token, smem.row_head[row]) + col
+    const T* dout = valid ? strided<const T>(params.dout).row(state.batch, token, smem.row_head[row]) + col
                           : static_cast<const T*>(params.dout.ptr);
     cp_async_16(&smem.query[swizzle(row, col)], q, valid);
     cp_async_16(&smem.dout[swizzle(row, col)], dout, valid);
@@ -230,7 +190,7 @@ __device__ void run_tile(const Problem& pb, SharedStorage& smem, ItemState& stat
       const int col = (chunk & 15) * 8;
       const int token = smem.group_token[group_row];
       const bool valid = token >= 0;
-      const T* source = valid ? row_pointer<T>(params.fwd.q_proxy, state.batch, token, proxy_head) + col
+      const T* source = valid ? strided<const T>(params.fwd.q_proxy).row(state.batch, token, proxy_head) + col
                               : static_cast<const T*>(params.fwd.q_proxy.ptr);
       cp_async_16(&smem.proxy_query[swizzle(state.stage_rows + group_row, col)], source, valid);
     }
@@ -576,11 +536,11 @@ __global__ void __launch_bounds__(kThreads) finish_query_grads_kernel(const Prob
     } else {
       add4(acc, pb.ws.dq_accum + ((batch * shape.seqlen + token) * shape.num_heads + head) * kHeadDim + dim);
     }
-    store4(row_pointer_mut<T>(pb.params.dq, batch, token, head) + dim, acc, pb.softmax_scale);
+    store4(strided<T>(pb.params.dq).row(batch, token, head) + dim, acc, pb.softmax_scale);
     return;
   }
   const int proxy_head = head - shape.num_heads;
-  const float factor = kl_factor(pb);
+  const float factor = kl_gradient_factor(pb.params, pb.proxy_scale);
   if (pb.params.kl_grad != nullptr) {
     if (pb.params.deterministic) {
       const int32_t* slots = block_idx_row(pb, batch, proxy_head, token);
@@ -595,7 +555,7 @@ __global__ void __launch_bounds__(kThreads) finish_query_grads_kernel(const Prob
                     ((batch * shape.seqlen + token) * shape.num_proxy_heads + proxy_head) * kHeadDim + dim);
     }
   }
-  store4(row_pointer_mut<T>(pb.params.dq_proxy, batch, token, proxy_head) + dim, acc, factor);
+  store4(strided<T>(pb.params.dq_proxy).row(batch, token, proxy_head) + dim, acc, factor);
 }
 
 // Heads Hkv (dk), Hkv (dv), then Hpk (dk_proxy, summed over its R proxy heads in order) per key.
@@ -617,7 +577,7 @@ __global__ void __launch_bounds__(kThreads) finish_key_grads_kernel(const Proble
     const bool is_dk = head < shape.num_kv_heads;
     add4(acc, (is_dk ? pb.ws.dk_accum : pb.ws.dv_accum) +
                   (token_row * shape.num_kv_heads + kv_head) * kHeadDim + dim);
-    store4(row_pointer_mut<T>(is_dk ? pb.params.dk : pb.params.dv, batch, key, kv_head) + dim, acc,
+    store4(strided<T>(is_dk ? pb.params.dk : pb.params.dv).row(batch, key, kv_head) + dim, acc,
            is_dk ? pb.softmax_scale : 1.f);
     return;
   }
@@ -628,7 +588,8 @@ __global__ void __launch_bounds__(kThreads) finish_key_grads_kernel(const Proble
       add4(acc, pb.ws.dk_proxy_accum + (token_row * shape.num_proxy_heads + p) * kHeadDim + dim);
     }
   }
-  store4(row_pointer_mut<T>(pb.params.dk_proxy, batch, key, proxy_key_head) + dim, acc, kl_factor(pb));
+  store4(strided<T>(pb.params.dk_proxy).row(batch, key, proxy_key_head) + dim, acc,
+         kl_gradient_factor(pb.params, pb.proxy_scale));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -705,8 +666,7 @@ Status run_backward(const BackwardParams& params, cudaStream_t stream) {
   }
 
   // ---- Δ and the reverse index ------------------------------------------------------------------
-  compute_delta_kernel<T><<<unsigned(ceil_div(tokens * shape.num_heads, kWarps)), kThreads, 0, stream>>>(pb);
-  FLASHMSA_BACKWARD_CHECK(cudaGetLastError(), "compute_delta");
+  FLASHMSA_BACKWARD_CHECK(launch_delta<T>(params, pb.ws.delta, stream), "delta");
 
   if (pipelined_supported(pb.heads_per_proxy, params.deterministic)) {
     // The wgmma kernel walks the forward's schedule: no reverse index of its own.

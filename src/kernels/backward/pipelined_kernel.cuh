@@ -49,6 +49,7 @@
 #include "kernels/backward/schedule.cuh"
 #include "kernels/common/device_cache.h"
 #include "kernels/common/device_math.h"
+#include "kernels/common/strided.h"
 #include "kernels/common/ptx/barrier.h"
 #include "kernels/common/ptx/warp_mma.h"
 #include "kernels/common/ptx/wgmma.h"
@@ -59,8 +60,6 @@ namespace flashmsa::kernels::backward {
 using forward::decode_list_key;
 using forward::ListKey;
 using forward::load_key_block;
-using forward::Strided;
-using forward::strided;
 using forward::sw128_offset;
 
 template <typename Element>

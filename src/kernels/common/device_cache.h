@@ -63,4 +63,12 @@ inline cudaError_t set_max_dynamic_smem(const void* kernel, int device, int byte
   return error;
 }
 
+// The same on the current device.
+inline cudaError_t set_max_dynamic_smem(const void* kernel, int bytes) {
+  int device = 0;
+  const cudaError_t error = cudaGetDevice(&device);
+  if (error != cudaSuccess) return error;
+  return set_max_dynamic_smem(kernel, device, bytes);
+}
+
 }  // namespace flashmsa::kernels

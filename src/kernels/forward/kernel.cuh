@@ -22,28 +22,11 @@
 #include <cstdint>
 
 #include "kernels/common/device_math.h"
+#include "kernels/common/strided.h"
 #include "kernels/common/ptx/warp_mma.h"
 #include "kernels/forward/config.h"
 
 namespace flashmsa::kernels::forward {
-
-// A [b, s, heads, dim] view with element strides (params.h TensorRef, typed).
-template <typename T>
-struct Strided {
-  T* ptr;
-  int64_t batch_stride;
-  int64_t seq_stride;
-  int64_t head_stride;
-  __device__ __forceinline__ T* row(int64_t b, int64_t s, int64_t head) const {
-    return ptr + b * batch_stride + s * seq_stride + head * head_stride;
-  }
-};
-
-// The typed view of a TensorRef (host side, for the launchers).
-template <typename T>
-Strided<T> strided(const TensorRef& ref) {
-  return {static_cast<T*>(ref.ptr), ref.batch_stride, ref.seq_stride, ref.head_stride};
-}
 
 template <typename Element>
 struct TileArgs {

@@ -21,6 +21,7 @@
 // twice (7 tile products instead of 5).
 #pragma once
 
+#include "kernels/common/backward_common.cuh"
 #include "kernels/warmup/common.cuh"
 
 namespace flashmsa::kernels::warmup {
@@ -43,35 +44,6 @@ struct BackwardArgs {
   int64_t key_blocks;     // ⌈S / 64⌉
   bool with_kl;           // KL gradient or KL value requested
 };
-
-// ḡ σp / (B·Hp·S): the factor between π − t and the proxy-logit gradient, 0 without kl_grad.
-__device__ __forceinline__ float kl_factor(const BackwardArgs& args) {
-  if (args.params.kl_grad == nullptr) return 0.f;
-  const ProblemShape& shape = args.params.fwd.shape;
-  const float rows = float(shape.batch) * float(shape.num_proxy_heads) * float(shape.seqlen);
-  return *args.params.kl_grad * args.proxy_scale / rows;
-}
-
-// ---------------------------------------------------------------------------------------------
-// Δ pre-pass: one warp per (b, i, h), 4 elements per lane.
-// ---------------------------------------------------------------------------------------------
-template <typename T>
-__global__ void __launch_bounds__(kBackwardThreads) delta_kernel(const BackwardArgs args) {
-  const ProblemShape& shape = args.params.fwd.shape;
-  const int lane = threadIdx.x & 31;
-  const int64_t row = int64_t(blockIdx.x) * kBackwardWarps + (threadIdx.x >> 5);  // (b, i, h)
-  if (row >= shape.batch * shape.seqlen * shape.num_heads) return;
-  const int head = int(row % shape.num_heads);
-  const int64_t token = (row / shape.num_heads) % shape.seqlen;
-  const int64_t b = row / (shape.num_heads * shape.seqlen);
-  const T* out = strided<const T>(args.params.fwd.out).row(b, token, head) + lane * 4;
-  const T* dout = strided<const T>(args.params.dout).row(b, token, head) + lane * 4;
-  float sum = 0.f;
-#pragma unroll
-  for (int e = 0; e < 4; ++e) sum = fmaf(to_float(out[e]), to_float(dout[e]), sum);
-  for (int offset = 16; offset > 0; offset >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-  if (lane == 0) args.delta[(b * shape.num_heads + head) * shape.seqlen + token] = sum;
-}
 
 // ---------------------------------------------------------------------------------------------
 // Tile pieces shared by the two kernels. Warp w of 8: slab = w % 4 (16 rows), half = w / 4.
@@ -394,7 +366,7 @@ __global__ void __launch_bounds__(kBackwardThreads, 1) dq_kernel(const BackwardA
   // ---- epilogue: dQ = σ acc, dq_proxy = ḡσp/n acc, the KL sum of each group row ----------------
   const Strided<T> dq = strided<T>(params.dq);
   const Strided<T> dq_proxy = strided<T>(params.dq_proxy);
-  const float factor = kl_factor(args);
+  const float factor = kl_gradient_factor(args.params, args.proxy_scale);
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int row = 16 * slab + (lane >> 2) + 8 * half;
@@ -609,7 +581,7 @@ __global__ void __launch_bounds__(kBackwardThreads) finish_dk_proxy_kernel(const
       acc[3] += x.w;
     }
   }
-  const float factor = kl_factor(args);
+  const float factor = kl_gradient_factor(args.params, args.proxy_scale);
   T* dst = strided<T>(args.params.dk_proxy).row(b, key, proxy_key_head) + dim;
 #pragma unroll
   for (int e = 0; e < 4; ++e) dst[e] = from_float<T>(acc[e] * factor);
@@ -652,19 +624,14 @@ Status run_backward(const BackwardParams& params, cudaStream_t stream) {
   args.with_kl = params.kl_grad != nullptr || params.fwd.kl != nullptr;
   const int64_t tokens = shape.batch * shape.seqlen;
 
-  delta_kernel<T><<<unsigned(ceil_div(tokens * shape.num_heads, kBackwardWarps)), kBackwardThreads, 0, stream>>>(args);
-  FLASHMSA_WARMUP_CHECK(cudaGetLastError(), "delta_kernel");
+  FLASHMSA_WARMUP_CHECK(launch_delta<T>(params, args.delta, stream), "delta_kernel");
 
-  FLASHMSA_WARMUP_CHECK(cudaFuncSetAttribute(dq_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                             int(kDqSmemBytes)),
-                        "dq_kernel smem");
+  FLASHMSA_WARMUP_CHECK(set_max_dynamic_smem(reinterpret_cast<const void*>(dq_kernel<T>), int(kDqSmemBytes)), "dq_kernel smem");
   const int64_t query_tiles = args.query_chunks * shape.batch * shape.num_proxy_heads;
   dq_kernel<T><<<unsigned(query_tiles), kBackwardThreads, kDqSmemBytes, stream>>>(args);
   FLASHMSA_WARMUP_CHECK(cudaGetLastError(), "dq_kernel");
 
-  FLASHMSA_WARMUP_CHECK(cudaFuncSetAttribute(dkdv_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                             int(kDkdvSmemBytes)),
-                        "dkdv_kernel smem");
+  FLASHMSA_WARMUP_CHECK(set_max_dynamic_smem(reinterpret_cast<const void*>(dkdv_kernel<T>), int(kDkdvSmemBytes)), "dkdv_kernel smem");
   const int64_t key_units = args.key_blocks * shape.batch * shape.num_kv_heads;
   dkdv_kernel<T><<<unsigned(key_units), kBackwardThreads, kDkdvSmemBytes, stream>>>(args);
   FLASHMSA_WARMUP_CHECK(cudaGetLastError(), "dkdv_kernel");

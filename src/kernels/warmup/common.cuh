@@ -12,28 +12,13 @@
 #include <string>
 
 #include "flashmsa/api.h"
+#include "kernels/common/device_cache.h"
 #include "kernels/common/device_math.h"
+#include "kernels/common/strided.h"
 #include "kernels/common/ptx/warp_mma.h"
 #include "kernels/warmup/config.h"
 
 namespace flashmsa::kernels::warmup {
-
-// A [b, s, heads, dim] view with element strides (params.h TensorRef, typed).
-template <typename T>
-struct Strided {
-  T* ptr;
-  int64_t batch_stride;
-  int64_t seq_stride;
-  int64_t head_stride;
-  __device__ __forceinline__ T* row(int64_t b, int64_t s, int64_t head) const {
-    return ptr + b * batch_stride + s * seq_stride + head * head_stride;
-  }
-};
-
-template <typename T>
-__host__ __device__ __forceinline__ Strided<T> strided(const TensorRef& ref) {
-  return {static_cast<T*>(ref.ptr), ref.batch_stride, ref.seq_stride, ref.head_stride};
-}
 
 // Element offset of (row, col) in a [rows][kCols] 16-bit tile (col a multiple of 8 for 16-byte
 // accesses): the 16-byte chunk index is XOR-ed with row % 8, so the 8 row addresses of one

@@ -257,9 +257,8 @@ __global__ void __launch_bounds__(kForwardThreads, 2) forward_tile_kernel(const 
 template <typename T, bool kWithValue>
 Status launch_tiles(const ForwardArgs<T>& args, cudaStream_t stream, const char* what) {
   const size_t smem = forward_smem_bytes(kWithValue);
-  FLASHMSA_WARMUP_CHECK(cudaFuncSetAttribute(forward_tile_kernel<T, kWithValue>,
-                                             cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
-                        what);
+  FLASHMSA_WARMUP_CHECK(
+      set_max_dynamic_smem(reinterpret_cast<const void*>(forward_tile_kernel<T, kWithValue>), int(smem)), what);
   const int64_t tiles = args.chunks * args.num_groups * args.batch;
   forward_tile_kernel<T, kWithValue><<<unsigned(tiles), kForwardThreads, smem, stream>>>(args);
   FLASHMSA_WARMUP_CHECK(cudaGetLastError(), what);
