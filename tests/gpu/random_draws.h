@@ -1,6 +1,7 @@
-// Draws shared by the seeded random configurations of the forward and backward GPU tests
-// (test_forward.cpp, test_backward.cpp): head maps that meet SPEC.md's rules, and sequence lengths
-// weighted toward the block edges where masking and partial blocks go wrong.
+// Draws shared by the seeded random configurations of the forward, backward and warmup GPU tests
+// (test_forward.cpp, test_backward.cpp, test_warmup.cpp): head maps that meet SPEC.md's rules,
+// sequence lengths weighted toward the block edges where masking and partial blocks go wrong, and
+// the measured host costs of the reference that size each case's checked subset.
 #pragma once
 
 #include <cstdint>
@@ -9,6 +10,15 @@
 #include <vector>
 
 namespace flashmsa::random_draws {
+
+// Host cost of the reference, measured on one x86 core (Release build): reference::random_inputs
+// and a random dO per value; per unit B·Σ_i |T_i|·(2H + Hp)·D over the rows i evaluated, the fp64
+// forward of the saved tensors, the input-dtype forward of the KL value, and the fp64 plus the
+// input-dtype backward.
+constexpr double kInputNsPerValue = 35.0;
+constexpr double kForwardNsPerUnit = 0.6;
+constexpr double kRoundedForwardNsPerUnit = 5.5;
+constexpr double kBackwardNsPerUnit = 25.0;
 
 struct HeadMap {
   int num_heads, num_kv_heads, num_proxy_heads, num_proxy_kv_heads;

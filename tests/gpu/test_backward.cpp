@@ -351,25 +351,22 @@ std::vector<BackwardCase> correctness_cases() {
 // S ∈ [1, 1100] (lengths at block boundaries drawn more often), B ∈ {1, 2}, both dtypes, both
 // layouts, every pattern, with and without kl_grad and the KL value.
 //
-// Host cost, measured on one x86 core (Release build), in units of B·Σ_i |T_i|·(2H + Hp)·D over
-// the rows i evaluated: the fp64 forward of the saved tensors kForwardNsPerUnit, the input-dtype
-// forward of the KL value kRoundedForwardNsPerUnit, the fp64 plus the input-dtype backward
-// kBackwardNsPerUnit; reference::random_inputs and the random dO kInputNsPerValue per value. Rows
-// and blocks are sampled when checking all of them would take longer than the case's budget; a
-// draw whose sampled check still would is drawn again. Every kLongCaseEvery-th case is long
-// (S ≥ 640, up to 9 blocks): even with one head and K = 1 its check takes about 1 s, so it gets
-// kLongCaseBudgetSeconds; the others get kCaseBudgetSeconds.
+// Rows and blocks are sampled when checking all of them would take longer than the case's budget
+// (host costs of the reference: random_draws.h); a draw whose sampled check still would is drawn
+// again. Every kLongCaseEvery-th case is long (S ≥ 640, up to 9 blocks): even with one head and
+// K = 1 its check takes about 1 s, so it gets kLongCaseBudgetSeconds; the others get
+// kCaseBudgetSeconds.
 // ---------------------------------------------------------------------------------------------
 constexpr int kRandomCases = 100;
 constexpr int kLongCaseEvery = 10;
 constexpr double kCaseBudgetSeconds = 0.5;
 constexpr double kLongCaseBudgetSeconds = 2.0;
-constexpr double kInputNsPerValue = 35.0;
-constexpr double kForwardNsPerUnit = 0.6;
-constexpr double kRoundedForwardNsPerUnit = 5.5;
-constexpr double kBackwardNsPerUnit = 25.0;
 
 using random_draws::draw_seqlen;
+using random_draws::kBackwardNsPerUnit;
+using random_draws::kForwardNsPerUnit;
+using random_draws::kInputNsPerValue;
+using random_draws::kRoundedForwardNsPerUnit;
 using random_draws::head_maps;
 using random_draws::HeadMap;
 

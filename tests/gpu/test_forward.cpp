@@ -208,11 +208,11 @@ INSTANTIATE_TEST_SUITE_P(
 // ---------------------------------------------------------------------------------------------
 constexpr int kRandomCases = 100;
 constexpr double kCaseBudgetSeconds = 0.4;
-constexpr double kInputNsPerValue = 35.0;
 constexpr double kReferenceNsPerUnit = 6.1;
 constexpr double kSelectNsPerUnit = 0.25;
 
 using random_draws::draw_seqlen;
+using random_draws::kInputNsPerValue;
 using random_draws::head_maps;
 using random_draws::HeadMap;
 

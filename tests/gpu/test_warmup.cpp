@@ -365,16 +365,15 @@ std::vector<WarmupCase> named_cases() {
 // Random configurations, from a fixed seed so that the list and the names are stable: head maps
 // with H ≤ 16, S ∈ [1, 700] (block and key-step edges drawn more often), B ∈ {1, 2}, both dtypes
 // and layouts, with and without kl_grad and the KL value. A case whose reference would take more
-// than kCaseBudgetSeconds of one host core (host costs as measured for test_backward.cpp, per
-// unit B·Σ_i |T_i|·(2H + Hp)·D with |T_i| = i + 1) checks sampled rows and the last blocks, or is
-// drawn again.
+// than kCaseBudgetSeconds of one host core (host costs: random_draws.h, with |T_i| = i + 1) checks
+// sampled rows and the last blocks, or is drawn again.
 // ---------------------------------------------------------------------------------------------
 constexpr int kRandomCases = 60;
 constexpr double kCaseBudgetSeconds = 4.0;
-constexpr double kInputNsPerValue = 35.0;
-constexpr double kForwardNsPerUnit = 0.6;
-constexpr double kRoundedForwardNsPerUnit = 5.5;
-constexpr double kBackwardNsPerUnit = 25.0;
+using random_draws::kBackwardNsPerUnit;
+using random_draws::kForwardNsPerUnit;
+using random_draws::kInputNsPerValue;
+using random_draws::kRoundedForwardNsPerUnit;
 
 double reference_seconds(const WarmupCase& c) {
   const ProblemShape s = shape_of(c);
