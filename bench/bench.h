@@ -72,6 +72,22 @@ inline double time_median_ms(const std::function<void(cudaStream_t)>& work, cuda
 // Peak device memory in use since the last reset_peak_memory() (cudaMemGetInfo-based).
 double device_memory_used_gb();
 
+// A measured flashmsa row: TFLOP/s on `flops` counted FLOPs (0: not meaningful), the device
+// memory in use now.
+inline Row timed_row(const std::string& stage, const std::string& config, const std::string& pattern,
+                     int64_t seqlen, double ms, double flops, const std::string& note) {
+  Row row;
+  row.stage = stage;
+  row.config = config;
+  row.pattern = pattern;
+  row.seqlen = seqlen;
+  row.ms = ms;
+  row.tflops = flops > 0.0 ? flops / (ms * 1e-3) / 1e12 : 0.0;
+  row.peak_mem_gb = device_memory_used_gb();
+  row.note = note;
+  return row;
+}
+
 using BenchFunction = std::function<void(const Options&, std::vector<Row>&)>;
 
 struct Registration {

@@ -41,17 +41,8 @@ FLASHMSA_BENCH(backward, bench_backward) {
         }
         const double ms = time_median_ms([&](cudaStream_t s) { backward(params, s); }, stream,
                                          options.warmup, options.repeats);
-        const double flops = 2.5 * main_forward_flops(shape);
-        Row row;
-        row.stage = "backward";
-        row.config = config_name;
-        row.pattern = pattern_name;
-        row.seqlen = seqlen;
-        row.ms = ms;
-        row.tflops = flops / (ms * 1e-3) / 1e12;
-        row.peak_mem_gb = device_memory_used_gb();
-        row.note = "main + KL gradient + KL value";
-        rows.push_back(row);
+        rows.push_back(timed_row("backward", config_name, pattern_name, seqlen, ms, 2.5 * main_forward_flops(shape),
+                                 "main + KL gradient + KL value"));
       }
     }
   }

@@ -123,22 +123,10 @@ FLASHMSA_BENCH(forward, bench_forward) {
         const double schedule_ms = time_median_ms(run_schedule, stream, options.warmup, options.repeats);
         const double forward_ms = time_median_ms(run_forward, stream, options.warmup, options.repeats);
         if (failed) continue;
-        const double memory_gb = device_memory_used_gb();
-
-        Row row;
-        row.stage = "schedule";
-        row.config = config_name;
-        row.pattern = pattern;
-        row.seqlen = seqlen;
-        row.ms = schedule_ms;
-        row.peak_mem_gb = memory_gb;
-        row.note = "block_idx made on the device (bench_forward.cu patterns)";
-        rows.push_back(row);
-        row.stage = "forward";
-        row.ms = forward_ms;
-        row.tflops = flops / (forward_ms * 1e-3) / 1e12;
-        row.note = "sparse main branch + proxy_lse, schedule excluded";
-        rows.push_back(row);
+        rows.push_back(timed_row("schedule", config_name, pattern, seqlen, schedule_ms, 0.0,
+                                 "block_idx made on the device (bench_forward.cu patterns)"));
+        rows.push_back(timed_row("forward", config_name, pattern, seqlen, forward_ms, flops,
+                                 "sparse main branch + proxy_lse, schedule excluded"));
       }
     }
   }

@@ -60,14 +60,8 @@ void bench_one(const cases::HeadConfig& config, const std::string& label, int to
   }
   const double ms = time_median_ms([&](cudaStream_t s) { select(params, s); }, stream, options.warmup,
                                    options.repeats);
-  Row row;
-  row.stage = "select";
-  row.config = label;
-  row.seqlen = seqlen;
-  row.ms = ms;
   const double flops = 2.0 * shape.proxy_head_dim * shape.num_proxy_heads * double(seqlen) * seqlen / 2;
-  row.tflops = flops / (ms * 1e-3) / 1e12;
-  row.peak_mem_gb = device_memory_used_gb();
+  Row row = timed_row("select", label, "", seqlen, ms, flops, "");
   const auto eager = kEagerMs.find(seqlen);
   if (label == "paper" && eager != kEagerMs.end()) {
     char note[96];

@@ -27,16 +27,7 @@ FLASHMSA_BENCH(step, bench_step) {
       const StepBuffers buffers(shape);
       const double main_flops = 3.5 * main_forward_flops(shape);
       auto add_row = [&](const char* stage, const std::string& pattern, double ms, const char* note) {
-        Row row;
-        row.stage = stage;
-        row.config = config_name;
-        row.pattern = pattern;
-        row.seqlen = seqlen;
-        row.ms = ms;
-        row.tflops = main_flops / (ms * 1e-3) / 1e12;
-        row.peak_mem_gb = device_memory_used_gb();
-        row.note = note;
-        rows.push_back(row);
+        rows.push_back(timed_row(stage, config_name, pattern, seqlen, ms, main_flops, note));
       };
 
       if (Status status = buffers.step(stream); !status.ok()) {

@@ -1,6 +1,7 @@
-// The device buffers of one sparse training step of one shape (N(0, 1) inputs, outputs, gradients,
-// workspaces) and the params of select, schedule, forward and backward pointing into them. Shared
-// by the step benchmark (bench_step.cu) and the backward benchmark (bench_backward.cu).
+// The device buffers of one training step of one shape (N(0, 1) inputs, outputs, gradients,
+// workspaces) and the params of select, schedule, forward and backward pointing into them, in
+// sparse mode or (no selection, no schedule) warmup mode. Shared by the step, backward and warmup
+// benchmarks (bench_step.cu, bench_backward.cu, bench_warmup.cu).
 #pragma once
 
 #include "common/cases.h"
@@ -11,7 +12,7 @@ namespace flashmsa::bench {
 
 // Every buffer of one step of one shape, and the params of the four ops pointing into them.
 struct StepBuffers {
-  explicit StepBuffers(const ProblemShape& shape)
+  explicit StepBuffers(const ProblemShape& shape, Mode mode = Mode::kSparse)
       : tokens(shape.batch * shape.seqlen),
         q(gaussian_tensor(tokens * shape.num_heads * shape.head_dim, 1, DType::kBF16)),
         k(gaussian_tensor(tokens * shape.num_kv_heads * shape.head_dim, 2, DType::kBF16)),
@@ -21,12 +22,12 @@ struct StepBuffers {
         dout(gaussian_tensor(tokens * shape.num_heads * shape.head_dim, 6, DType::kBF16)),
         out(q.size()), dq(q.size()), dk(k.size()), dv(v.size()),
         dq_proxy(q_proxy.size()), dk_proxy(k_proxy.size()),
-        block_idx(size_t(tokens * shape.num_proxy_heads * shape.top_k)),
+        block_idx(mode == Mode::kSparse ? size_t(tokens * shape.num_proxy_heads * shape.top_k) : 0),
         lse(size_t(tokens * shape.num_heads)), proxy_lse(size_t(tokens * shape.num_proxy_heads)),
         kl(1), kl_grad(constant_tensor(1, 1.f)),
-        schedule_workspace(schedule_workspace_size(shape)),
-        forward_workspace(forward_workspace_size(shape, Mode::kSparse)),
-        backward_workspace(backward_workspace_size(shape, Mode::kSparse, false)) {
+        schedule_workspace(mode == Mode::kSparse ? schedule_workspace_size(shape) : 0),
+        forward_workspace(forward_workspace_size(shape, mode)),
+        backward_workspace(backward_workspace_size(shape, mode, false)) {
     auto view = [&](const testing::DeviceBuffer<uint16_t>& buffer, int heads, int dim) {
       return cases::bshd(buffer.get(), shape, heads, dim);
     };
@@ -38,6 +39,7 @@ struct StepBuffers {
     ForwardParams& fwd = backward_params.fwd;
     fwd.shape = shape;
     fwd.dtype = DType::kBF16;
+    fwd.mode = mode;
     fwd.q = view(q, shape.num_heads, D);
     fwd.k = view(k, shape.num_kv_heads, D);
     fwd.v = view(v, shape.num_kv_heads, D);
@@ -60,9 +62,11 @@ struct StepBuffers {
     backward_params.workspace = backward_workspace.get();
   }
 
-  // schedule + forward + backward; the first failing op's status.
+  // (sparse: schedule +) forward + backward; the first failing op's status.
   Status forward_backward(cudaStream_t stream) const {
-    if (Status status = schedule(schedule_params, stream); !status.ok()) return status;
+    if (backward_params.fwd.mode == Mode::kSparse) {
+      if (Status status = schedule(schedule_params, stream); !status.ok()) return status;
+    }
     if (Status status = forward(backward_params.fwd, stream); !status.ok()) return status;
     return backward(backward_params, stream);
   }
