@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <iterator>
 #include <random>
+#include <string>
 #include <vector>
 
 namespace flashmsa::random_draws {
@@ -38,6 +39,25 @@ inline std::vector<HeadMap> head_maps(int num_heads) {
     }
   }
   return maps;
+}
+
+// A head map with H ∈ [1, 16] drawn uniformly, then one of its valid maps, set on a test case.
+template <typename Case>
+void draw_heads(std::mt19937_64& rng, Case& c) {
+  const std::vector<HeadMap> maps = head_maps(1 + int(rng() % 16));
+  const HeadMap heads = maps[rng() % maps.size()];
+  c.num_heads = heads.num_heads;
+  c.num_kv_heads = heads.num_kv_heads;
+  c.num_proxy_heads = heads.num_proxy_heads;
+  c.num_proxy_kv_heads = heads.num_proxy_kv_heads;
+}
+
+// The start of a random case's name: "r<index>_b<B>_s<S>_h<H>_hkv<Hkv>_hp<Hp>_hpk<Hpk>".
+template <typename Case>
+std::string case_prefix(size_t index, const Case& c) {
+  return "r" + std::to_string(1000 + index).substr(1) + "_b" + std::to_string(c.batch) + "_s" +
+         std::to_string(c.seqlen) + "_h" + std::to_string(c.num_heads) + "_hkv" + std::to_string(c.num_kv_heads) +
+         "_hp" + std::to_string(c.num_proxy_heads) + "_hpk" + std::to_string(c.num_proxy_kv_heads);
 }
 
 // S in [1, 1100]; one draw in four is a block edge (1, 127-129, 255-257, 1023-1025, ...).

@@ -362,13 +362,13 @@ constexpr int kLongCaseEvery = 10;
 constexpr double kCaseBudgetSeconds = 0.5;
 constexpr double kLongCaseBudgetSeconds = 2.0;
 
+using random_draws::case_prefix;
+using random_draws::draw_heads;
 using random_draws::draw_seqlen;
 using random_draws::kBackwardNsPerUnit;
 using random_draws::kForwardNsPerUnit;
 using random_draws::kInputNsPerValue;
 using random_draws::kRoundedForwardNsPerUnit;
-using random_draws::head_maps;
-using random_draws::HeadMap;
 
 // Estimated host seconds of one case on one core (the test spreads most of it over host threads).
 double reference_seconds(const BackwardCase& c) {
@@ -411,12 +411,7 @@ std::vector<BackwardCase> random_cases() {
     // The rest is drawn again for the same length until it fits, so long sequences stay in the list
     // (with fewer heads or blocks).
     for (int draw = 0; draw < kDrawsPerLength; ++draw) {
-      const std::vector<HeadMap> maps = head_maps(1 + int(rng() % 16));
-      const HeadMap heads = maps[rng() % maps.size()];
-      c.num_heads = heads.num_heads;
-      c.num_kv_heads = heads.num_kv_heads;
-      c.num_proxy_heads = heads.num_proxy_heads;
-      c.num_proxy_kv_heads = heads.num_proxy_kv_heads;
+      draw_heads(rng, c);
       c.top_k = kTopKs[rng() % std::size(kTopKs)];
       c.dtype = rng() % 2 == 0 ? DType::kBF16 : DType::kFP16;
       c.pattern = kPatterns[rng() % std::size(kPatterns)];
@@ -431,10 +426,7 @@ std::vector<BackwardCase> random_cases() {
       if (reference_seconds(c) <= budget) break;
     }
     if (reference_seconds(c) > budget) continue;
-    c.name = "r" + std::to_string(1000 + list.size()).substr(1) + "_b" + std::to_string(c.batch) +
-             "_s" + std::to_string(c.seqlen) + "_h" + std::to_string(c.num_heads) +
-             "_hkv" + std::to_string(c.num_kv_heads) + "_hp" + std::to_string(c.num_proxy_heads) +
-             "_hpk" + std::to_string(c.num_proxy_kv_heads) + "_k" + std::to_string(c.top_k) +
+    c.name = case_prefix(list.size(), c) + "_k" + std::to_string(c.top_k) +
              (c.dtype == DType::kBF16 ? "_bf16_" : "_fp16_") + (c.bhsd ? "bhsd_" : "bshd_") +
              patterns::pattern_name(c.pattern) + (c.with_kl_grad ? "" : "_no_kl_grad") +
              (c.with_kl_value ? "" : "_no_kl_value") + (c.sample > 0 ? "_sampled" : "");

@@ -213,8 +213,8 @@ constexpr double kSelectNsPerUnit = 0.25;
 
 using random_draws::draw_seqlen;
 using random_draws::kInputNsPerValue;
-using random_draws::head_maps;
-using random_draws::HeadMap;
+using random_draws::case_prefix;
+using random_draws::draw_heads;
 
 const char* selection_name(Selection selection) {
   switch (selection) {
@@ -259,13 +259,8 @@ std::vector<ForwardCase> random_cases() {
   std::mt19937_64 rng(0x5eed'f0f0);
   std::vector<ForwardCase> list;
   while (list.size() < kRandomCases) {
-    const std::vector<HeadMap> maps = head_maps(1 + int(rng() % 16));
-    const HeadMap heads = maps[rng() % maps.size()];
     ForwardCase c;
-    c.num_heads = heads.num_heads;
-    c.num_kv_heads = heads.num_kv_heads;
-    c.num_proxy_heads = heads.num_proxy_heads;
-    c.num_proxy_kv_heads = heads.num_proxy_kv_heads;
+    draw_heads(rng, c);
     c.batch = 1 + int64_t(rng() % 2);
     c.seqlen = draw_seqlen(rng);
     c.top_k = kTopKs[rng() % std::size(kTopKs)];
@@ -283,10 +278,7 @@ std::vector<ForwardCase> random_cases() {
       c.sampled_rows = sampled;
     }
     if (reference_seconds(c) > kCaseBudgetSeconds) continue;
-    c.name = "r" + std::to_string(1000 + list.size()).substr(1) + "_b" + std::to_string(c.batch) +
-             "_s" + std::to_string(c.seqlen) + "_h" + std::to_string(c.num_heads) +
-             "_hkv" + std::to_string(c.num_kv_heads) + "_hp" + std::to_string(c.num_proxy_heads) +
-             "_hpk" + std::to_string(c.num_proxy_kv_heads) + "_k" + std::to_string(c.top_k) +
+    c.name = case_prefix(list.size(), c) + "_k" + std::to_string(c.top_k) +
              (c.dtype == kBF16 ? "_bf16_" : "_fp16_") + (c.bhsd ? "bhsd_" : "bshd_") + selection_name(c.selection);
     list.push_back(c);
   }

@@ -411,12 +411,7 @@ std::vector<WarmupCase> random_cases() {
     c.batch = 1 + int64_t(rng() % 2);
     c.seqlen = draw_warmup_seqlen(rng);
     for (int draw = 0; draw < kDrawsPerLength; ++draw) {
-      const std::vector<random_draws::HeadMap> maps = random_draws::head_maps(1 + int(rng() % 16));
-      const random_draws::HeadMap heads = maps[rng() % maps.size()];
-      c.num_heads = heads.num_heads;
-      c.num_kv_heads = heads.num_kv_heads;
-      c.num_proxy_heads = heads.num_proxy_heads;
-      c.num_proxy_kv_heads = heads.num_proxy_kv_heads;
+      random_draws::draw_heads(rng, c);
       c.dtype = rng() % 2 == 0 ? DType::kBF16 : DType::kFP16;
       c.bhsd = rng() % 2 == 0;
       c.with_kl_grad = rng() % 8 != 0;
@@ -428,10 +423,7 @@ std::vector<WarmupCase> random_cases() {
       if (reference_seconds(c) <= kCaseBudgetSeconds) break;
     }
     if (reference_seconds(c) > kCaseBudgetSeconds) continue;
-    c.name = "r" + std::to_string(1000 + list.size()).substr(1) + "_b" + std::to_string(c.batch) + "_s" +
-             std::to_string(c.seqlen) + "_h" + std::to_string(c.num_heads) + "_hkv" + std::to_string(c.num_kv_heads) +
-             "_hp" + std::to_string(c.num_proxy_heads) + "_hpk" + std::to_string(c.num_proxy_kv_heads) +
-             (c.dtype == DType::kBF16 ? "_bf16_" : "_fp16_") + (c.bhsd ? "bhsd" : "bshd") +
+    c.name = random_draws::case_prefix(list.size(), c) + (c.dtype == DType::kBF16 ? "_bf16_" : "_fp16_") + (c.bhsd ? "bhsd" : "bshd") +
              (c.with_kl_grad ? "" : "_no_kl_grad") + (c.with_kl_value ? "" : "_no_kl_value") +
              (c.sample > 0 ? "_sampled" : "");
     list.push_back(c);
