@@ -28,6 +28,33 @@
 
 namespace flashmsa::kernels::forward {
 
+// (max, Σ exp2(x − max)) over the 32 proxy keys of one warp for row `half` of an m16n8k16
+// accumulator quad (acc[n][2·half + e]: key first_key + 8n + 2·(lane % 4) + e), scores scaled by scale_log2 and masked
+// to keys ≤ query and < seqlen when need_mask; exp2 is the exponential the caller uses.
+template <typename Exp2>
+__device__ __forceinline__ float2 proxy_row_stats(const float (&acc)[4][4], int half, int first_key, int query,
+                                                  bool need_mask, int seqlen, float scale_log2, Exp2 exp2) {
+  float score[8];
+  float row_max = kNegInf;
+#pragma unroll
+  for (int n = 0; n < 4; ++n) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int key_pos = first_key + n * 8 + (threadIdx.x % 4) * 2 + e;
+      float s = acc[n][half * 2 + e] * scale_log2;
+      if (need_mask && (key_pos > query || key_pos >= seqlen)) s = kNegInf;
+      score[n * 2 + e] = s;
+      row_max = fmaxf(row_max, s);
+    }
+  }
+  row_max = quad_max(row_max);
+  const float base = row_max == kNegInf ? 0.f : row_max;
+  float row_sum = 0.f;
+#pragma unroll
+  for (int e = 0; e < 8; ++e) row_sum += exp2(score[e] - base);
+  return make_float2(row_max, quad_sum(row_sum));
+}
+
 template <typename Element>
 struct TileArgs {
   Strided<const Element> q, k, v, q_proxy, k_proxy;
@@ -171,27 +198,10 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int row = m_tile * 16 + half * 8 + lane / 4;
-        const int query = token_row[row];
-        float score[8];
-        float row_max = kNegInf;
-#pragma unroll
-        for (int n = 0; n < 4; ++n) {
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int key_pos = first_key + warp * 32 + n * 8 + (lane % 4) * 2 + e;
-            float s = acc[n][half * 2 + e] * args.proxy_scale_log2;
-            if (need_mask && (key_pos > query || key_pos >= args.seqlen)) s = kNegInf;
-            score[n * 2 + e] = s;
-            row_max = fmaxf(row_max, s);
-          }
-        }
-        row_max = quad_max(row_max);
-        const float base = row_max == kNegInf ? 0.f : row_max;
-        float row_sum = 0.f;
-#pragma unroll
-        for (int e = 0; e < 8; ++e) row_sum += exp2f(score[e] - base);
-        row_sum = quad_sum(row_sum);
-        if (lane % 4 == 0) proxy_stats[warp * args.proxy_rows + row] = make_float2(row_max, row_sum);
+        const float2 stats = proxy_row_stats(acc, half, first_key + warp * 32, token_row[row],
+                                             need_mask, args.seqlen, args.proxy_scale_log2,
+                                             [](float x) { return exp2f(x); });
+        if (lane % 4 == 0) proxy_stats[warp * args.proxy_rows + row] = stats;
       }
     }
     __syncthreads();  // proxy keys consumed: V's buffer is free

@@ -346,27 +346,10 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
           const int row = m_tile * 16 + half * 8 + lane / 4;
-          const int query = stage_meta.token_row[row];
-          float value[8];
-          float row_max = kNegInf;
-#pragma unroll
-          for (int n = 0; n < 4; ++n) {
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              const int key_pos = first_key + warp * 32 + n * 8 + (lane % 4) * 2 + e;
-              float x = acc[n][half * 2 + e] * args.proxy_scale_log2;
-              if (need_mask && (key_pos > query || key_pos >= args.seqlen)) x = kNegInf;
-              value[n * 2 + e] = x;
-              row_max = fmaxf(row_max, x);
-            }
-          }
-          row_max = quad_max(row_max);
-          const float base = row_max == kNegInf ? 0.f : row_max;
-          float row_sum = 0.f;
-#pragma unroll
-          for (int e = 0; e < 8; ++e) row_sum += exp2_approx(value[e] - base);
-          row_sum = quad_sum(row_sum);
-          if (lane % 4 == 0) warp_stats[row] = make_float2(row_max, row_sum);
+          const float2 row_stats =
+              proxy_row_stats(acc, half, first_key + warp * 32, stage_meta.token_row[row], need_mask,
+                              args.seqlen, args.proxy_scale_log2, [](float x) { return exp2_approx(x); });
+          if (lane % 4 == 0) warp_stats[row] = row_stats;
         }
       }
     }
