@@ -47,4 +47,29 @@ __device__ __forceinline__ float exp2_approx(float x) {
   return y;
 }
 
+// One step of the online softmax for accumulator row `half` of m16n8 fragments (score[n][2·half +
+// e], already in log2 units and masked; step_max their quad-reduced maximum): score becomes
+// exp2(score − new max), row_max the new max, row_sum the rescaled running sum plus the step's.
+// Returns the factor that rescales the row's output accumulators.
+template <int kN>
+__device__ __forceinline__ float online_softmax_step(float (&score)[kN][4], int half, float step_max,
+                                                     float& row_max, float& row_sum) {
+  const float new_max = fmaxf(row_max, step_max);
+  const float base = new_max == kNegInf ? 0.f : new_max;
+  const float correction = exp2f(row_max - base);
+  row_max = new_max;
+  float sum = 0.f;
+#pragma unroll
+  for (int n = 0; n < kN; ++n) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const float p = exp2f(score[n][half * 2 + e] - base);
+      score[n][half * 2 + e] = p;
+      sum += p;
+    }
+  }
+  row_sum = row_sum * correction + sum;
+  return correction;
+}
+
 }  // namespace flashmsa::kernels

@@ -281,22 +281,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
               step_max = fmaxf(step_max, s);
             }
           }
-          step_max = quad_max(step_max);
-          const float new_max = fmaxf(row_max[m_tile][half], step_max);
-          const float base = new_max == kNegInf ? 0.f : new_max;
-          const float correction = exp2f(row_max[m_tile][half] - base);
-          row_max[m_tile][half] = new_max;
-          float sum = 0.f;
-#pragma unroll
-          for (int n = 0; n < kKeyChunk / 8; ++n) {
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              const float p = exp2f(score[m_tile][n][half * 2 + e] - base);
-              score[m_tile][n][half * 2 + e] = p;
-              sum += p;
-            }
-          }
-          row_sum[m_tile][half] = row_sum[m_tile][half] * correction + sum;
+          const float correction = online_softmax_step(score[m_tile], half, quad_max(step_max), row_max[m_tile][half],
+                                                           row_sum[m_tile][half]);
 #pragma unroll
           for (int d = 0; d < kHeadDim / 8; ++d) {
             out_acc[m_tile][d][half * 2] *= correction;
