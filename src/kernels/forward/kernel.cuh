@@ -29,8 +29,9 @@
 namespace flashmsa::kernels::forward {
 
 // (max, Σ exp2(x − max)) over the 32 proxy keys of one warp for row `half` of an m16n8k16
-// accumulator quad (acc[n][2·half + e]: key first_key + 8n + 2·(lane % 4) + e), scores scaled by scale_log2 and masked
-// to keys ≤ query and < seqlen when need_mask; exp2 is the exponential the caller uses.
+// accumulator quad (acc[n][2·half + e]: key first_key + 8n + 2·(lane % 4) + e), scores scaled by
+// scale_log2 and masked to keys ≤ query and < seqlen when need_mask; exp2 is the exponential the
+// caller uses.
 template <typename Exp2>
 __device__ __forceinline__ float2 proxy_row_stats(const float (&acc)[4][4], int half, int first_key, int query,
                                                   bool need_mask, int seqlen, float scale_log2, Exp2 exp2) {
