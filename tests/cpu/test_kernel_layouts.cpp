@@ -106,5 +106,21 @@ TEST(PipelinedBackwardLayout, StepRowsAreATokenMajorPermutation) {
   }
 }
 
+// The backward zeroes its accumulators as one range of the workspace (kernel.cuh run_backward),
+// which needs them adjacent in this order.
+TEST(BackwardWorkspaceLayout, AccumulatorsAreOneOrderedRange) {
+  for (bool deterministic : {false, true}) {
+    const kernels::backward::WorkspaceLayout layout =
+        kernels::backward::workspace_layout(small_shape(2, 1000, 16, 2, 4, 1, 8, 128, 128), deterministic);
+    EXPECT_LT(layout.dq_accum, layout.dq_proxy_accum);
+    EXPECT_LT(layout.dq_proxy_accum, layout.dk_accum);
+    EXPECT_LT(layout.dk_accum, layout.dv_accum);
+    EXPECT_LT(layout.dv_accum, layout.dk_proxy_accum);
+    EXPECT_LT(layout.dk_proxy_accum, layout.kl_partial);
+    EXPECT_LT(layout.kl_partial, layout.kl_sums);
+    EXPECT_LE(layout.kl_sums, layout.total);
+  }
+}
+
 }  // namespace
 }  // namespace flashmsa::testing

@@ -648,22 +648,13 @@ Status run_backward(const BackwardParams& params, cudaStream_t stream) {
   const Problem pb = make_problem(params);
   const WorkspaceLayout layout = workspace_layout(shape, params.deterministic);
   char* base = static_cast<char*>(params.workspace);
-  const int64_t tokens = shape.batch * shape.seqlen;
 
-  // ---- zero the accumulators --------------------------------------------------------------------
-  FLASHMSA_BACKWARD_CHECK(cudaMemsetAsync(pb.ws.item_counter, 0, 4, stream), "memset");
-  FLASHMSA_BACKWARD_CHECK(cudaMemsetAsync(base + layout.dk_accum, 0, layout.dk_proxy_accum - layout.dk_accum,
-                                          stream), "memset");
-  if (pb.with_kl) {
-    FLASHMSA_BACKWARD_CHECK(cudaMemsetAsync(base + layout.dk_proxy_accum, 0,
-                                            layout.kl_partial - layout.dk_proxy_accum, stream), "memset");
-    FLASHMSA_BACKWARD_CHECK(cudaMemsetAsync(base + layout.kl_partial, 0, layout.kl_sums - layout.kl_partial,
-                                            stream), "memset");
-  }
-  if (!params.deterministic) {
-    FLASHMSA_BACKWARD_CHECK(cudaMemsetAsync(base + layout.dq_accum, 0, layout.dk_accum - layout.dq_accum,
-                                            stream), "memset");
-  }
+  // ---- zero the accumulators: one range of the layout ---------------------------------------------
+  // [dq_accum, dk_accum) holds dQ and dq_proxy (per-slot buffers, fully written, in deterministic
+  // mode); [dk_accum, dk_proxy_accum) dK and dV; [dk_proxy_accum, kl_sums) dk_proxy and the KL terms.
+  const size_t zero_begin = params.deterministic ? layout.dk_accum : layout.dq_accum;
+  const size_t zero_end = pb.with_kl ? layout.kl_sums : layout.dk_proxy_accum;
+  FLASHMSA_BACKWARD_CHECK(cudaMemsetAsync(base + zero_begin, 0, zero_end - zero_begin, stream), "memset");
 
   // ---- Δ and the reverse index ------------------------------------------------------------------
   FLASHMSA_BACKWARD_CHECK(launch_delta<T>(params, pb.ws.delta, stream), "delta");
@@ -673,6 +664,7 @@ Status run_backward(const BackwardParams& params, cudaStream_t stream) {
     if (Status status = run_pipelined_tiles<T>(pb, stream); !status.ok()) return status;
     return finish<T>(pb, stream);
   }
+  FLASHMSA_BACKWARD_CHECK(cudaMemsetAsync(pb.ws.item_counter, 0, 4, stream), "memset");  // work-item counter
   if (Status status = build_schedule(pb, stream); !status.ok()) return status;
 
   // ---- the tile kernel: one persistent CTA per SM -------------------------------------------------

@@ -235,24 +235,33 @@ __device__ __forceinline__ void proxy_grads(const BackwardArgs& args, const uint
 
 // acc (16 rows × 64 dims, dims 64·half …) += A (16 rows × 64 keys, from a [rows][64] tile) ·
 // B (64 keys × 128 dims, from a [keys][128] tile): dQ = dS K and dq_proxy = g k_proxy.
+// acc (16 rows × this warp's 64 dims, dims 64·(warp / 4) …) += a (the A fragment of k-step ks) ·
+// rows 16·ks … of B (a [rows][128 dims] tile).
+template <typename T>
+__device__ __forceinline__ void times_dims(const uint32_t (&a)[4], const uint16_t* b_tile, int ks,
+                                           float (&acc)[8][4]) {
+  const int lane = threadIdx.x & 31;
+  const int dim_half = (threadIdx.x >> 5) >> 2;
+#pragma unroll
+  for (int np = 0; np < 4; ++np) {
+    uint32_t bfrag[4];
+    ptx::ldmatrix_x4_trans(bfrag, b_tile + swizzle<kHeadDim>(16 * ks + (lane & 7) + ((lane >> 3) & 1) * 8,
+                                                             64 * dim_half + 16 * np + (lane >> 4) * 8));
+    ptx::mma_16816<T>(acc[2 * np], a, bfrag[0], bfrag[1]);
+    ptx::mma_16816<T>(acc[2 * np + 1], a, bfrag[2], bfrag[3]);
+  }
+}
+
 template <typename T>
 __device__ __forceinline__ void rows_times_keys(const uint16_t* a_tile, const uint16_t* b_tile, float (&acc)[8][4]) {
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int slab = warp & 3;
-  const int dim_half = warp >> 2;
 #pragma unroll
   for (int ks = 0; ks < kKeyStep / 16; ++ks) {
     uint32_t a[4];
     ptx::ldmatrix_x4(a, a_tile + swizzle<kKeyStep>(16 * slab + (lane & 15), 16 * ks + (lane >> 4) * 8));
-#pragma unroll
-    for (int np = 0; np < 4; ++np) {
-      uint32_t bfrag[4];
-      ptx::ldmatrix_x4_trans(bfrag, b_tile + swizzle<kHeadDim>(16 * ks + (lane & 7) + ((lane >> 3) & 1) * 8,
-                                                               64 * dim_half + 16 * np + (lane >> 4) * 8));
-      ptx::mma_16816<T>(acc[2 * np], a, bfrag[0], bfrag[1]);
-      ptx::mma_16816<T>(acc[2 * np + 1], a, bfrag[2], bfrag[3]);
-    }
+    times_dims<T>(a, b_tile, ks, acc);
   }
 }
 
@@ -264,19 +273,11 @@ __device__ __forceinline__ void keys_times_rows(const uint16_t* a_tile, const ui
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int key_slab = warp & 3;
-  const int dim_half = warp >> 2;
   for (int ks = 0; ks < row_steps; ++ks) {
     uint32_t a[4];
     ptx::ldmatrix_x4_trans(a, a_tile + swizzle<kKeyStep>(16 * ks + (lane & 7) + (lane >> 4) * 8,
                                                          16 * key_slab + ((lane >> 3) & 1) * 8));
-#pragma unroll
-    for (int np = 0; np < 4; ++np) {
-      uint32_t bfrag[4];
-      ptx::ldmatrix_x4_trans(bfrag, b_tile + swizzle<kHeadDim>(16 * ks + (lane & 7) + ((lane >> 3) & 1) * 8,
-                                                               64 * dim_half + 16 * np + (lane >> 4) * 8));
-      ptx::mma_16816<T>(acc[2 * np], a, bfrag[0], bfrag[1]);
-      ptx::mma_16816<T>(acc[2 * np + 1], a, bfrag[2], bfrag[3]);
-    }
+    times_dims<T>(a, b_tile, ks, acc);
   }
 }
 
