@@ -19,6 +19,26 @@ inline Status cuda_status(cudaError_t error, const char* what) {
   return {StatusCode::kCudaError, std::string("forward: ") + what + ": " + cudaGetErrorString(error)};
 }
 
+// The pipelined tile kernel for M = H/Hp: compiled for M = 2, 4, 8 and 16, else M read at run time.
+template <typename Element>
+using PipelinedKernel = void (*)(TileArgs<Element>, PipelinedLayout);
+
+template <typename Element>
+PipelinedKernel<Element> pipelined_kernel_for(int heads_per_proxy) {
+  switch (heads_per_proxy) {
+    case 2:
+      return sparse_forward_pipelined<Element, 2>;
+    case 4:
+      return sparse_forward_pipelined<Element, 4>;
+    case 8:
+      return sparse_forward_pipelined<Element, 8>;
+    case 16:
+      return sparse_forward_pipelined<Element, 16>;
+    default:
+      return sparse_forward_pipelined<Element, 0>;
+  }
+}
+
 template <typename Element>
 Status run_forward(const ForwardParams& params, cudaStream_t stream) {
   const ProblemShape& shape = params.shape;
@@ -91,10 +111,11 @@ Status run_forward(const ForwardParams& params, cudaStream_t stream) {
                                        tile_args.tokens_per_tile + tile_args.keys_per_chunk;
   const bool pipelined = pipelined_supported(shape);
   const PipelinedLayout pipelined_layout = make_pipelined_layout(shape);
+  const PipelinedKernel<Element> pipelined_kernel = pipelined_kernel_for<Element>(shape.heads_per_proxy());
   const size_t smem = pipelined ? pipelined_layout.total : tile_smem_bytes(shape);
   int blocks_per_sm = 1;
   if (pipelined) {
-    if (Status s = cuda_status(set_max_dynamic_smem(reinterpret_cast<const void*>(sparse_forward_pipelined<Element>),
+    if (Status s = cuda_status(set_max_dynamic_smem(reinterpret_cast<const void*>(pipelined_kernel),
                                                     device, int(smem)),
                                "shared memory");
         !s.ok()) {
@@ -122,8 +143,7 @@ Status run_forward(const ForwardParams& params, cudaStream_t stream) {
     tile_args.first_key = chunk * tile_args.keys_per_chunk;
     tile_args.chunk_first_row = first_row;
     if (pipelined) {
-      sparse_forward_pipelined<Element><<<unsigned(grid), kPipelinedThreads, smem, stream>>>(tile_args,
-                                                                                            pipelined_layout);
+      pipelined_kernel<<<unsigned(grid), kPipelinedThreads, smem, stream>>>(tile_args, pipelined_layout);
     } else {
       sparse_forward_tiles<Element><<<unsigned(grid), kThreads, smem, stream>>>(tile_args);
     }

@@ -45,7 +45,9 @@ namespace flashmsa::kernels::forward {
 
 // Per-stage metadata written by the producer and read by the consumers.
 struct StageMeta {
-  int64_t q_offset[kPipelinedMaxTokens];    // element offset in q of (b, token, first head of the group)
+  // Producer only: address of q at (b, token, first head of the group); padding tokens hold the
+  // list's row 0, so every copy's source address is valid (padding copies read 0 bytes).
+  uint64_t q_address[kPipelinedMaxTokens];
   int64_t out_offset[kPipelinedMaxTokens];  // element offset in the partials of (token, first head, slot)
   int32_t token_row[kPipelinedMaxTokens];   // query position of each token (padding: never masked)
   int32_t token_slot[kPipelinedMaxTokens];  // slot of the block in that token's block_idx row
@@ -83,6 +85,26 @@ __device__ __forceinline__ ListKey decode_list_key(uint32_t key, const Args& arg
   return out;
 }
 
+// Token and head of gathered query row first_row + 8·i (first_row < 8; rows are token-major with
+// the M heads of a token adjacent). Compile-time M that divides 8 or is a multiple of 8 folds both
+// to constants plus first_row terms; kM = 0 (any other M) divides at run time.
+template <int kM>
+constexpr bool kDividesEight = kM > 0 && 8 % (kM > 0 ? kM : 1) == 0;
+
+template <int kM>
+__device__ __forceinline__ void gathered_row(int first_row, int i, int M, int& token, int& head) {
+  if constexpr (kM >= 8 && kM % 8 == 0) {
+    token = i * 8 / kM;
+    head = first_row + i * 8 % kM;
+  } else if constexpr (kDividesEight<kM>) {  // M divides 8
+    token = first_row / kM + i * 8 / kM;
+    head = first_row % kM;
+  } else {
+    token = (first_row + 8 * i) / M;
+    head = (first_row + 8 * i) % M;
+  }
+}
+
 // One producer thread's share (of 128) of the cp.async copies of a 128-key block (keys ≥ S
 // zero-filled); kUnroll trades the copies in flight against the producer's registers.
 template <int kUnroll = 4, typename Element>
@@ -98,7 +120,8 @@ __device__ __forceinline__ void load_key_block(Element* tile, const Strided<cons
   }
 }
 
-template <typename Element>
+// kM: M = H/Hp at compile time (2, 4, 8, 16), or 0 to read it from args (any M ≥ 2).
+template <typename Element, int kM>
 __global__ void __launch_bounds__(kPipelinedThreads, 1)
     sparse_forward_pipelined(const TileArgs<Element> args, const PipelinedLayout layout) {
   extern __shared__ unsigned char smem_raw[];
@@ -129,7 +152,7 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
   }
   __syncthreads();
 
-  const int M = args.heads_per_proxy;
+  const int M = kM > 0 ? kM : args.heads_per_proxy;
   const uint32_t* entries = args.header[0] == 1 ? args.entries[1] : args.entries[0];
   const uint32_t begin = args.tile_offsets[args.first_key];
   const uint32_t total = args.tile_offsets[args.first_key + args.keys_per_chunk] - begin;
@@ -143,7 +166,20 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
     const int thread = threadIdx.x;
     const int chunk = thread & 15;         // this thread copies 16-byte chunk `chunk` …
     const int first_row = thread >> 4;     // … of rows first_row + 8·i
-    const int tile_rows = args.tokens_per_tile * M;
+    // Loop-invariant parts of this thread's query copies: the first row's head and chunk, and the
+    // step of 8 heads (rows r and r + 8 of one token, for M ≥ 16).
+    int token0 = 0;
+    int head0 = 0;
+    gathered_row<kM>(first_row, 0, M, token0, head0);
+    const int64_t q_thread_bytes = (int64_t(head0) * args.q.head_stride + chunk * 8) * int64_t(sizeof(Element));
+    const int64_t head_step_bytes = 8 * args.q.head_stride * int64_t(sizeof(Element));
+    const int64_t out_row_stride = int64_t(args.num_heads) * args.top_k * kHeadDim;
+    const uint32_t q_dst = sw128_offset(kTileRows, first_row, chunk);
+    // Per list (decoded when the key changes): the key, and the offsets shared by its tiles.
+    ListKey key{};
+    int64_t q_list = 0;    // q element offset of (b, 0, first head of the proxy group)
+    int64_t out_list = 0;  // partial element offset of (row −chunk_first_row + b·S, first head, slot 0)
+    const Element* qp_list = args.q_proxy.ptr;  // q_proxy row 0 of (b, proxy head), this thread's chunk
     uint32_t last_key = 0xffffffffu;
     // Descriptors run two tiles ahead, entries one tile ahead of the copies.
     uint4 tile = make_uint4(0, 0, 0, 0);
@@ -157,30 +193,41 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
     // The stage's copies are released to the consumers one tile late: after the next tile's copies
     // are issued, the thread waits for the previous group, fences the async proxy (wgmma reads
     // through it what cp.async wrote through the generic proxy) and arrives.
-    int pending = -1;
+    bool pending = false;
+    int pending_stage = 0;
     bool pending_new_list = false;
     auto release_pending = [&]() {
       ptx::fence_proxy_async_shared();
       if (pending_new_list) ptx::mbarrier_arrive(kv_full);
-      ptx::mbarrier_arrive(&q_full[pending % stages]);
-      pending = -1;
+      ptx::mbarrier_arrive(&q_full[pending_stage]);
+      pending = false;
     };
-    const int64_t head_step = 8 * args.q.head_stride;  // rows r and r + 8 of one token
+    // Stage s = t % stages and its barrier phase (t / stages) & 1, and the same for tile t − 1.
+    int s = 0;
+    uint32_t phase = 0;
+    int previous_s = 0;
+    uint32_t previous_phase = 0;
     for (int t = 0; t < num_tiles; ++t) {
-      const int s = t % stages;
       const uint32_t key_value = tile.x;
-      const ListKey key = decode_list_key(key_value, args);
+      const bool new_list = key_value != last_key;
+      if (new_list) {
+        key = decode_list_key(key_value, args);
+        q_list = int64_t(key.b) * args.q.batch_stride + int64_t(key.proxy_head) * M * args.q.head_stride;
+        out_list = (int64_t(key.b) * args.seqlen - args.chunk_first_row) * out_row_stride +
+                   int64_t(key.proxy_head) * M * args.top_k * kHeadDim;
+        qp_list = args.q_proxy.ptr + int64_t(key.b) * args.q_proxy.batch_stride +
+                  int64_t(key.proxy_head) * args.q_proxy.head_stride + chunk * 8;
+      }
       const int count = int(tile.z);
       const int first_key = key.block * kBlockSize;
-      const bool new_list = key_value != last_key;
-      ptx::mbarrier_wait(&q_empty[s], ((t / stages) & 1) ^ 1);
+      ptx::mbarrier_wait(&q_empty[s], phase ^ 1);
       if (new_list && t > 0) {
         // K, V and the proxy keys are overwritten only after the previous tile is done.
-        if (pending >= 0) {
+        if (pending) {
           ptx::cp_async_wait<0>();
           release_pending();
         }
-        ptx::mbarrier_wait(&q_empty[(t - 1) % stages], ((t - 1) / stages) & 1);
+        ptx::mbarrier_wait(&q_empty[previous_s], previous_phase);
       }
 
       StageMeta& stage_meta = meta[s];
@@ -188,13 +235,11 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
         const bool has_entry = thread < count;
         const int32_t row = has_entry ? int32_t(entry >> schedule::kSlotBits) : int32_t(first_key + kBlockSize - 1);
         const int32_t slot = has_entry ? int32_t(entry & ((1u << schedule::kSlotBits) - 1)) : 0;
-        const int64_t flat_row = int64_t(key.b) * args.seqlen + row - args.chunk_first_row;
         stage_meta.token_row[thread] = row;
         stage_meta.token_slot[thread] = slot;
-        stage_meta.q_offset[thread] = int64_t(key.b) * args.q.batch_stride + int64_t(row) * args.q.seq_stride +
-                                      int64_t(key.proxy_head) * M * args.q.head_stride;
-        stage_meta.out_offset[thread] =
-            ((flat_row * args.num_heads + int64_t(key.proxy_head) * M) * args.top_k + slot) * kHeadDim;
+        const int64_t q_offset = has_entry ? q_list + int64_t(row) * args.q.seq_stride : q_list;
+        stage_meta.q_address[thread] = reinterpret_cast<uint64_t>(args.q.ptr + q_offset);
+        stage_meta.out_offset[thread] = out_list + int64_t(row) * out_row_stride + slot * kHeadDim;
         if (thread == 0) {
           stage_meta.key = key_value;
           stage_meta.count = count;
@@ -209,46 +254,49 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
                        args.seqlen, thread);
       }
       // Rows first_row + 8·i: the destination advances by 8 rows (1024 bytes, same swizzle phase);
-      // the source by 8 heads inside a token, or restarts at the next token's offset.
+      // the source is the token's row plus the head's offset, both folded where M is known.
       {
-        Element* dst = q_stages + s * kTileElements + sw128_offset(kTileRows, first_row, chunk);
-        const int valid_rows = min(count * M, tile_rows);
-        int token = first_row / M;
-        int head = first_row % M;
-        const Element* src = args.q.ptr + stage_meta.q_offset[token] + head * args.q.head_stride + chunk * 8;
-#pragma unroll 4
-        for (int row = first_row; row < kTileRows; row += 8) {
-          const bool valid = row < valid_rows;
-          ptx::cp_async_16(dst, valid ? src : args.q.ptr, valid);
-          dst += 8 * 64;
-          head += 8;
-          if (head < M) {
-            src += head_step;
+        Element* dst = q_stages + s * kTileElements + q_dst;
+#pragma unroll
+        for (int i = 0; i < kTileRows / 8; ++i) {
+          int token = 0;
+          int head = 0;
+          gathered_row<kM>(first_row, i, M, token, head);
+          const bool valid = token < count;
+          int64_t head_offset;
+          if constexpr (kM >= 8 && kM % 8 == 0) {
+            head_offset = (head - head0) / 8 * head_step_bytes;
+          } else if constexpr (kDividesEight<kM>) {
+            head_offset = 0;
           } else {
-            while (head >= M) {
-              head -= M;
-              ++token;
-            }
-            src = args.q.ptr + stage_meta.q_offset[min(token, kPipelinedMaxTokens - 1)] + head * args.q.head_stride +
-                  chunk * 8;
+            head_offset = int64_t(head - head0) * args.q.head_stride * int64_t(sizeof(Element));
           }
+          const uint64_t address = stage_meta.q_address[min(token, kPipelinedMaxTokens - 1)];
+          ptx::cp_async_16(dst + i * 8 * 64, reinterpret_cast<const Element*>(address + q_thread_bytes + head_offset),
+                           valid);
         }
       }
       Element* qp_dst = qp_stages + s * qp_stage_elements;
       for (int row = first_row; row < prows; row += 8) {
         const bool valid = row < count;
-        const Element* src =
-            valid ? args.q_proxy.row(key.b, stage_meta.token_row[row], key.proxy_head) + chunk * 8 : args.q_proxy.ptr;
-        ptx::cp_async_16(qp_dst + sw128_offset(prows, row, chunk), src, valid);
+        const Element* src = qp_list + int64_t(stage_meta.token_row[row]) * args.q_proxy.seq_stride;
+        ptx::cp_async_16(qp_dst + sw128_offset(prows, row, chunk), valid ? src : args.q_proxy.ptr, valid);
       }
       ptx::cp_async_commit();
-      if (pending >= 0) {
+      if (pending) {
         ptx::cp_async_wait<1>();
         release_pending();
       }
-      pending = t;
+      pending = true;
+      pending_stage = s;
       pending_new_list = new_list;
       last_key = key_value;
+      previous_s = s;
+      previous_phase = phase;
+      if (++s == stages) {
+        s = 0;
+        phase ^= 1;
+      }
 
       if (t + 1 < num_tiles) {
         tile = next_tile;
@@ -256,7 +304,7 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
         if (t + 2 < num_tiles) next_tile = args.tiles[lo + t + 2];
       }
     }
-    if (pending >= 0) {
+    if (pending) {
       ptx::cp_async_wait<0>();
       release_pending();
     }
@@ -284,12 +332,19 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
     store_token[i] = min(row / M, kPipelinedMaxTokens - 1);
     store_offset[i] = (row % M) * args.top_k * kHeadDim + (wg_thread % 16) * 8;
   }
+  // Operand descriptors: this warpgroup's Q rows in stage 0, the key block, the value block;
+  // a stage, a 64-dim half and a k-step only move the start address.
+  const uint64_t desc_q0 = ptx::make_sw128_kmajor_desc(q_stages + consumer * 64 * 64);
+  const uint64_t desc_k0 = ptx::make_sw128_kmajor_desc(k_tile);
+  const uint64_t desc_v0 = ptx::make_sw128_mnmajor_desc(v_tile, kTileRows * 128);
   uint32_t last_key = 0xffffffffu;
   int lists_seen = 0;
+  ListKey key{};
 
+  int s = 0;  // t % stages
+  uint32_t phase = 0;  // (t / stages) & 1
   for (int t = 0; t < num_tiles; ++t) {
-    const int s = t % stages;
-    ptx::mbarrier_wait(&q_full[s], (t / stages) & 1);
+    ptx::mbarrier_wait(&q_full[s], phase);
     const StageMeta& stage_meta = meta[s];
     const uint32_t key_value = stage_meta.key;
     const int count = stage_meta.count;
@@ -297,8 +352,8 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
       ptx::mbarrier_wait(kv_full, lists_seen & 1);
       ++lists_seen;
       last_key = key_value;
+      key = decode_list_key(key_value, args);
     }
-    const ListKey key = decode_list_key(key_value, args);
     const int first_key = key.block * kBlockSize;
     // Keys past a row's query or past S exist only in the local block and the last block.
     const bool need_mask =
@@ -314,12 +369,9 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
     ptx::wgmma_fence();
 #pragma unroll
     for (int k_step = 0; k_step < kHeadDim / 16; ++k_step) {
-      const int half = k_step / 4;
-      const uint64_t desc_q = ptx::advance_desc(
-          ptx::make_sw128_kmajor_desc(q_tile + half * kTileRows * 64 + consumer * 64 * 64), (k_step % 4) * 32);
-      const uint64_t desc_k =
-          ptx::advance_desc(ptx::make_sw128_kmajor_desc(k_tile + half * kTileRows * 64), (k_step % 4) * 32);
-      Mma::run(score, desc_q, desc_k, k_step > 0 ? 1u : 0u);
+      const uint32_t step_bytes = (k_step / 4) * kTileRows * 128 + (k_step % 4) * 32;  // half, then k
+      const uint64_t desc_q = ptx::advance_desc(desc_q0, uint32_t(s) * kTileElements * 2 + step_bytes);
+      Mma::run(score, desc_q, ptx::advance_desc(desc_k0, step_bytes), k_step > 0 ? 1u : 0u);
     }
     ptx::wgmma_commit_group();
 
@@ -413,8 +465,8 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
       ptx::wgmma_fence();
 #pragma unroll
       for (int k_step = 0; k_step < 8; ++k_step) {
-        const uint64_t desc_v = ptx::make_sw128_mnmajor_desc(v_tile + k_step * 16 * 64, kTileRows * 128);
-        Mma::template run<1>(out, p_frag[k_step], desc_v, k_step > 0 ? 1u : 0u);
+        Mma::template run<1>(out, p_frag[k_step], ptx::advance_desc(desc_v0, k_step * 16 * 128),
+                             k_step > 0 ? 1u : 0u);
       }
       ptx::wgmma_commit_group();
 #pragma unroll
@@ -467,6 +519,10 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
       }
     }
     ptx::mbarrier_arrive(&q_empty[s]);
+    if (++s == stages) {
+      s = 0;
+      phase ^= 1;
+    }
   }
 }
 
