@@ -67,6 +67,7 @@ struct Problem {
   const std::vector<int32_t>& block_idx;
   Mode mode;
   Precision precision;
+  const ForwardOutputs* saved = nullptr;  // backward only: the saved out / lse / proxy_lse
 
   const ProblemShape& s() const { return in.shape; }
   int heads_per_proxy() const { return in.shape.heads_per_proxy(); }  // M
@@ -145,22 +146,29 @@ GroupRow evaluate(const Problem& pb, int64_t b, int p, int64_t i) {
     const int h = p * M + m;
     const int g = h / s.gqa_ratio();
     for (size_t t = 0; t < n; ++t) logits[t] = score(pb.in, b, h, i, row.tokens[t], pb.precision);
-    row.lse[m] = pb.log_sum_exp(logits);
+    // NOTES: a backward kernel reads the saved LSE (fp32) and O (16 bits); with pb.saved the
+    // rounded reference does the same, so its Δ = ⟨O, dO⟩ carries the same storage rounding of O.
+    row.lse[m] = pb.saved ? pb.acc(pb.saved->lse[(b * s.num_heads + h) * s.seqlen + i])
+                          : pb.log_sum_exp(logits);
     double* o = &row.out[static_cast<size_t>(m) * D];
     for (size_t t = 0; t < n; ++t) {
       const double P = pb.softmax_prob(logits[t], row.lse[m]);
       row.probs[m * n + t] = P;
       row.teacher[t] = pb.acc(row.teacher[t] + P);
-      axpy(P, pb.v(b, row.tokens[t], g), o, D, pb.precision);
+      if (!pb.saved) axpy(P, pb.v(b, row.tokens[t], g), o, D, pb.precision);
     }
-    for (int d = 0; d < D; ++d) o[d] = pb.store(o[d]);
+    const double* saved_o =
+        pb.saved ? &pb.saved->out[offset_bshd(s, b, i, h, s.num_heads, D)] : o;
+    for (int d = 0; d < D; ++d) o[d] = pb.store(pb.acc(saved_o[d]));  // as the upload: via fp32
   }
 
   // §3: student π = softmax of the proxy scores over T, teacher t = mean of the group's P.
   for (size_t t = 0; t < n; ++t) {
     logits[t] = proxy_score(pb.in, b, p, i, row.tokens[t], pb.precision);
   }
-  row.proxy_lse = pb.log_sum_exp(logits);
+  row.proxy_lse = pb.saved
+                      ? pb.acc(pb.saved->proxy_lse[(b * s.num_proxy_heads + p) * s.seqlen + i])
+                      : pb.log_sum_exp(logits);
   for (size_t t = 0; t < n; ++t) {
     const double log_student = pb.acc(logits[t] - row.proxy_lse);
     row.student[t] = pb.acc(std::exp(log_student));
@@ -399,12 +407,19 @@ ForwardOutputs forward(const Inputs& in, const std::vector<int32_t>& block_idx, 
 
 Gradients backward(const Inputs& in, const std::vector<int32_t>& block_idx,
                    const std::vector<double>& dout, double kl_grad, Mode mode, Precision precision,
-                   const QueryRows& rows, const KeyBlocks& blocks) {
+                   const QueryRows& rows, const KeyBlocks& blocks, const ForwardOutputs* saved) {
   validate(in);
   const ProblemShape& s = in.shape;
   check_block_idx(s, block_idx, mode);
   check_dout(s, dout);
-  const Problem pb{in, block_idx, mode, precision};
+  if (saved != nullptr) {
+    require(saved->out.size() == in.q.size() &&
+                static_cast<int64_t>(saved->lse.size()) == s.batch * s.num_heads * s.seqlen &&
+                static_cast<int64_t>(saved->proxy_lse.size()) ==
+                    s.batch * s.num_proxy_heads * s.seqlen,
+            "saved forward tensors must hold out, lse and proxy_lse of every row");
+  }
+  const Problem pb{in, block_idx, mode, precision, saved};
 
   Gradients grads;
   grads.dq.assign(in.q.size(), kNaN);

@@ -131,9 +131,17 @@ struct Gradients {
 // block's gradients sum over every later query row that selected it, so they read block_idx of all
 // rows from the block on (a block_idx that select() filled for a row subset only is rejected
 // there); dq / dq_proxy read only their own rows.
+// `saved`: the forward tensors a backward kernel is handed (out, lse, proxy_lse of every row). When
+// given, Δ, P and π are computed from them, rounded to their storage formats (out to the input
+// dtype, the LSEs to fp32), instead of from this precision's own forward. A test that hands the
+// kernel saved tensors passes the same ones here, so that the rounded reference and the kernel take
+// Δ from the same 16-bit O: Δ's error (σ·δΔ·Σ_j P k_j in dq) is then common to both instead of
+// two independent draws (NOTES in attention.cpp). kFP64 with saved = the kFP64 forward is the
+// same as without.
 Gradients backward(const Inputs& in, const std::vector<int32_t>& block_idx,
                    const std::vector<double>& dout, double kl_grad, Mode mode, Precision precision,
-                   const QueryRows& rows = {}, const KeyBlocks& blocks = {});
+                   const QueryRows& rows = {}, const KeyBlocks& blocks = {},
+                   const ForwardOutputs* saved = nullptr);
 
 // A scalar function of all differentiable inputs, for finite-difference tests:
 //   loss = Σ out·dout + kl_grad · L_KL   (the selection held fixed at `block_idx`).

@@ -93,7 +93,8 @@ reference::ForwardOutputs parallel_forward(const reference::Inputs& in, const st
 // The reference backward on `rows` and `blocks` (never empty here), split across threads.
 reference::Gradients parallel_backward(const reference::Inputs& in, const std::vector<int32_t>& block_idx,
                                        const std::vector<double>& dout, double kl_grad, Precision precision,
-                                       const reference::QueryRows& rows, const reference::KeyBlocks& blocks) {
+                                       const reference::QueryRows& rows, const reference::KeyBlocks& blocks,
+                                       const reference::ForwardOutputs& saved) {
   const int parts = std::min<int>(host_threads(), int(std::max(rows.size(), blocks.size())));
   std::vector<reference::Gradients> grads(parts);
   parallel_for(parts, [&](int part, int count) {
@@ -104,7 +105,8 @@ reference::Gradients parallel_backward(const reference::Inputs& in, const std::v
     // An empty subset means "all" to the reference: give it one item of the other side's list.
     if (my_rows.empty()) my_rows.push_back(rows.front());
     if (my_blocks.empty()) my_blocks.push_back(blocks.back());
-    grads[part] = reference::backward(in, block_idx, dout, kl_grad, Mode::kSparse, precision, my_rows, my_blocks);
+    grads[part] =
+        reference::backward(in, block_idx, dout, kl_grad, Mode::kSparse, precision, my_rows, my_blocks, &saved);
   });
   reference::Gradients all;
   for (const auto& g : grads) {
@@ -297,10 +299,10 @@ void check_case(const BackwardCase& c, uint64_t seed) {
   const double kl_grad = c.with_kl_grad ? host.kl_grad : 0.0;
   const Precision rounded_precision = reference::precision_of(c.dtype);
   auto exact_future = std::async(std::launch::async, [&] {
-    return parallel_backward(host.in, host.block_idx, host.dout, kl_grad, Precision::kFP64, rows, blocks);
+    return parallel_backward(host.in, host.block_idx, host.dout, kl_grad, Precision::kFP64, rows, blocks, host.saved);
   });
   const reference::Gradients rounded =
-      parallel_backward(host.in, host.block_idx, host.dout, kl_grad, rounded_precision, rows, blocks);
+      parallel_backward(host.in, host.block_idx, host.dout, kl_grad, rounded_precision, rows, blocks, host.saved);
   const reference::Gradients exact = exact_future.get();
 
   expect_gradients(g, exact, rounded, host, kl_grad);
@@ -510,9 +512,9 @@ TEST(BackwardDeterministic, MatchesReference) {
   reference::KeyBlocks blocks;
   checked_subsets(c, s, 7, &rows, &blocks);
   const reference::Gradients exact =
-      parallel_backward(host.in, host.block_idx, host.dout, host.kl_grad, Precision::kFP64, rows, blocks);
+      parallel_backward(host.in, host.block_idx, host.dout, host.kl_grad, Precision::kFP64, rows, blocks, host.saved);
   const reference::Gradients rounded =
-      parallel_backward(host.in, host.block_idx, host.dout, host.kl_grad, Precision::kBF16, rows, blocks);
+      parallel_backward(host.in, host.block_idx, host.dout, host.kl_grad, Precision::kBF16, rows, blocks, host.saved);
   expect_gradients(g, exact, rounded, host, host.kl_grad);
 }
 

@@ -82,7 +82,7 @@ reference::ForwardOutputs parallel_forward(const reference::Inputs& in, Precisio
 // The reference backward on `rows` and `blocks` (never empty here), split across host threads.
 reference::Gradients parallel_backward(const reference::Inputs& in, const std::vector<double>& dout, double kl_grad,
                                        Precision precision, const reference::QueryRows& rows,
-                                       const reference::KeyBlocks& blocks) {
+                                       const reference::KeyBlocks& blocks, const reference::ForwardOutputs& saved) {
   const int parts = std::min<int>(host_tensors::host_threads(), int(std::max(rows.size(), blocks.size())));
   std::vector<reference::Gradients> grads(parts);
   host_tensors::parallel_for(parts, [&](int part, int count) {
@@ -93,7 +93,7 @@ reference::Gradients parallel_backward(const reference::Inputs& in, const std::v
     // An empty subset means "all" to the reference: give it the cheapest item of the other list.
     if (my_rows.empty()) my_rows.push_back(rows.front());
     if (my_blocks.empty()) my_blocks.push_back(blocks.back());
-    grads[part] = reference::backward(in, {}, dout, kl_grad, Mode::kWarmup, precision, my_rows, my_blocks);
+    grads[part] = reference::backward(in, {}, dout, kl_grad, Mode::kWarmup, precision, my_rows, my_blocks, &saved);
   });
   reference::Gradients merged;
   for (const auto& g : grads) {
@@ -296,8 +296,11 @@ void check_case(const WarmupCase& c, uint64_t seed) {
   ASSERT_TRUE(backward_status.ok()) << backward_status.message;
   FLASHMSA_CUDA_CHECK(cudaDeviceSynchronize());
   const KernelGradients g = download_gradients(c, d);
-  const reference::Gradients exact = parallel_backward(in, dout, kl_grad, Precision::kFP64, rows, blocks);
-  const reference::Gradients rounded = parallel_backward(in, dout, kl_grad, rounded_precision, rows, blocks);
+  // Both references take Δ, P and π from the saved tensors the kernel reads (reference.h, backward).
+  const reference::Gradients exact =
+      parallel_backward(in, dout, kl_grad, Precision::kFP64, rows, blocks, exact_forward);
+  const reference::Gradients rounded =
+      parallel_backward(in, dout, kl_grad, rounded_precision, rows, blocks, exact_forward);
   // atol floors: where the exact gradient is identically 0 (S = 1: P = 1, dS = 0, π = t), fp32
   // rounding of Δ and of the proxy LSE leaves ≈ 1e-6 of the gradient's natural scale (1 for the
   // main gradients, ḡσp/(B·Hp·S) for the proxy gradients).
