@@ -133,6 +133,7 @@ struct StepMeta {
   uint32_t key;                  // the schedule's list key
   int32_t count;                 // tokens in the step
   int32_t flags;                 // kStepListLast | kStepUnitLast | kStepLast
+  int32_t b, kv_head, block, proxy_head;  // the key decoded (forward::decode_list_key)
   int32_t unused;
 };
 constexpr int kStepListLast = 1;  // the next step belongs to another list (or there is none)

@@ -176,10 +176,11 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
     uint32_t token_entry = 0xffffffffu;
     uint32_t row_entry = 0xffffffffu;
     if (num_tiles > 0) load_entries(tile, 0, &token_entry, &row_entry);
+    ListKey key{};  // decoded once per list
     for (int t = 0; t < num_tiles; ++t) {
       const uint4 next_tile = t + 1 < num_tiles ? args.tiles[lo + t + 1] : make_uint4(0xffffffffu, 0, 0, 0);
       const uint32_t key_value = tile.x;
-      const ListKey key = decode_list_key(key_value, args);
+      if (key_value != last_key) key = decode_list_key(key_value, args);
       const int first_key = key.block * kBlockSize;
       const int tile_count = int(tile.z);
       const int steps = (tile_count + kStepTokens - 1) / kStepTokens;
@@ -225,6 +226,10 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
                               next_tile.x / uint32_t(args.proxy_heads_per_kv) != key.unit);
             m.key = key_value;
             m.count = count;
+            m.b = key.b;
+            m.kv_head = key.kv_head;
+            m.block = key.block;
+            m.proxy_head = key.proxy_head;
             m.flags = (list_last ? kStepListLast : 0) | (unit_last ? kStepUnitLast : 0) |
                       (tile_last && t + 1 == num_tiles ? kStepLast : 0);
           }
@@ -238,19 +243,26 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
                        thread);
           }
         }
-        // Q and dO rows first_row + 8·i (same swizzle phase: the destination moves by 1024 bytes).
+        // Q and dO rows n = first_row + 8·i (same swizzle phase: the destination moves by 1024
+        // bytes). In the permuted order (config.h) row n is token (first_row / 2)·T + 2i / M of the
+        // step and head first_row % 2 + 2i % M of the group: the token and head offsets of a copy
+        // are compile-time constants plus this thread's first token and head.
         {
           Element* q_dst = q_stages + s * kRowElements + sw128_offset(kStepRows, first_row, chunk);
           Element* do_dst = do_stages + s * kRowElements + sw128_offset(kStepRows, first_row, chunk);
-#pragma unroll 1
+          const int first_token = (first_row / 2) * kT;
+          const int head = key.proxy_head * kM + first_row % 2;
+          const Element* q_head = args.q.row(key.b, 0, head) + chunk * 8;
+          const Element* do_head = args.dout.row(key.b, 0, head) + chunk * 8;
+#pragma unroll
           for (int i = 0; i < kStepRows / 8; ++i) {
-            const int n = first_row + 8 * i;
-            const int local = row_token[n];
+            static_assert(kM % 2 == 0, "rows 2i and 2i + 1 of a column pair share their token");
+            const int local = first_token + 2 * i / kM;
             const bool valid = local < count;
-            const int token = valid ? m.token[local] : 0;
-            const int head = key.proxy_head * kM + row_head[n];
-            const Element* q_src = valid ? args.q.row(key.b, token, head) + chunk * 8 : args.q.ptr;
-            const Element* do_src = valid ? args.dout.row(key.b, token, head) + chunk * 8 : args.dout.ptr;
+            const int64_t token = valid ? m.token[local] : 0;
+            const int64_t head_offset = int64_t(2 * i % kM);
+            const Element* q_src = q_head + token * args.q.seq_stride + head_offset * args.q.head_stride;
+            const Element* do_src = do_head + token * args.dout.seq_stride + head_offset * args.dout.head_stride;
             ptx::cp_async_16(q_dst + i * 8 * 64, q_src, valid);
             ptx::cp_async_16(do_dst + i * 8 * 64, do_src, valid);
           }
@@ -340,7 +352,11 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
       ++lists_seen;
       last_key = key_value;
     }
-    const ListKey key = decode_list_key(key_value, args);
+    ListKey key;  // decoded by the producer
+    key.b = m.b;
+    key.kv_head = m.kv_head;
+    key.block = m.block;
+    key.proxy_head = m.proxy_head;
     const int first_key = key.block * kBlockSize;
     const bool need_mask = m.token[0] < first_key + kBlockSize - 1;
     const Element* q_tile = q_stages + s * kRowElements;
