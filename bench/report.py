@@ -142,6 +142,88 @@ def plots(result):
         figure.tight_layout()
         figure.savefig(os.path.join(PLOTS, "%s_ms_vs_S.png" % stage), dpi=110)
         plt.close(figure)
+    stage_breakdown(plt, rows, result["gpu"])
+    series_vs_S(plt, rows, result["gpu"], "tflops", ("forward", "backward", "fwd_bwd"), "TFLOP/s",
+                "tflops_vs_S.png")
+    series_vs_S(plt, rows, result["gpu"], "peak_mem_gb", ("fwd_bwd", "step"), "peak memory (GB)",
+                "memory_vs_S.png")
+
+
+def stage_breakdown(plt, rows, gpu):
+    """Stacked select/schedule/forward/backward of the flashmsa step (paper, random) in percent of
+    the measured step, one bar per S; the outline is the step (100 %)."""
+    ours = {(r["stage"], r["S"]): r["ms"] for r in rows if r["system"] == "flashmsa"
+            and r["pattern"] in ("random", None) and not r.get("commit")}
+    sizes = sorted(s for (stage, s) in ours if stage == "step")
+    if not sizes:
+        return
+    parts = ("select", "schedule", "forward", "backward")
+    figure, axis = plt.subplots(figsize=(6.4, 4.2))
+    x = range(len(sizes))
+    bottom = [0.0] * len(sizes)
+    for part in parts:
+        share = [100.0 * ours.get((part, s), 0.0) / ours[("step", s)] for s in sizes]
+        axis.bar(x, share, 0.6, bottom=bottom, label=part)
+        bottom = [b + h for b, h in zip(bottom, share)]
+    axis.bar(x, [100.0] * len(sizes), 0.6, fill=False, edgecolor="black", linewidth=1.5,
+             label="measured step")
+    for i, s in enumerate(sizes):
+        axis.text(i, max(100.0, bottom[i]) + 2, "step %.1f ms\nstages %.0f %%" %
+                  (ours[("step", s)], bottom[i]), ha="center", va="bottom", fontsize=8)
+    axis.set_xticks(list(x))
+    axis.set_xticklabels([fmt_seqlen(s) for s in sizes])
+    axis.set_xlim(-0.6, len(sizes) + 0.6)  # room for the legend on the right
+    axis.set_ylim(0, 125)
+    axis.set_xlabel("sequence length S")
+    axis.set_ylabel("% of the measured step")
+    axis.set_title("flashmsa step breakdown, paper config, random pattern, %s" % gpu, fontsize=9)
+    axis.legend(fontsize=7, loc="center right")
+    figure.tight_layout()
+    figure.savefig(os.path.join(PLOTS, "stage_breakdown.png"), dpi=110)
+    plt.close(figure)
+
+
+def series_vs_S(plt, rows, gpu, key, stages, ylabel, name):
+    """`key` vs S (log2 x) for the given stages: flashmsa on the random pattern, and every anchor
+    row with a positive value. Colour and marker per system, line style per stage; stages of one
+    system with identical points share a line."""
+    series = {}
+    for r in rows:
+        if r["stage"] not in stages or not r.get(key) or (r["system"] == "flashmsa" and
+                                                           r["pattern"] != "random"):
+            continue
+        series.setdefault((r["system"], r.get("commit", "")[:7], r["stage"]), []).append(
+            (r["S"], r[key]))
+    if not series:
+        return
+    merged = {}
+    for (system, commit, stage), points in sorted(series.items(), key=lambda item: (
+            item[0][0], item[0][1], stages.index(item[0][2]))):
+        points.sort()
+        merged.setdefault((system, commit, tuple(points)), []).append(stage)
+    systems = sorted({k[0] for k in merged})
+    styles = {"forward": "-", "backward": ":", "fwd_bwd": "--", "step": "-."}
+    figure, axis = plt.subplots(figsize=(8.4, 4.2))
+    for (system, commit, points), names in merged.items():  # in system, commit, stage order
+        index = systems.index(system)
+        axis.plot([p[0] for p in points], [p[1] for p in points], color="C%d" % index,
+                  marker="os^Dvp<>"[index % 8], markersize=6, markerfacecolor="none",
+                  linestyle=styles[names[0]],
+                  label="%s %s" % (system, " = ".join(names)) + (" @%s" % commit if commit else ""))
+    axis.set_xscale("log", base=2)
+    if key == "peak_mem_gb":
+        axis.set_yscale("log")
+    else:
+        axis.set_ylim(0, None)
+    axis.set_xlabel("sequence length S")
+    axis.set_ylabel(ylabel)
+    axis.set_title("%s, paper config (H=64, Hkv=4, Hp=4, K=16), %s" % (ylabel, gpu), fontsize=9)
+    axis.grid(True, which="both", alpha=0.3)
+    axis.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0),
+                title="@ = carried from commit", title_fontsize=7)
+    figure.tight_layout()
+    figure.savefig(os.path.join(PLOTS, name), dpi=110)
+    plt.close(figure)
 
 
 def main():
