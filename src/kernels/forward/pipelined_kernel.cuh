@@ -332,6 +332,15 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
     store_token[i] = min(row / M, kPipelinedMaxTokens - 1);
     store_offset[i] = (row % M) * args.top_k * kHeadDim + (wg_thread % 16) * 8;
   }
+  // The epilogue's staging stores (stmatrix, one per 16 output columns): lane l addresses row
+  // 8·((l/8) % 2) + l % 8 of its warp's 16 and 16-byte chunk 2k + l/16 of k-pair k; the swizzle
+  // repeats with k % 4, and k ≥ 4 lands in the second 64-column half.
+  uint32_t staging_offset[4];  // bytes from the stage's start
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const int row = consumer * 64 + warp * 16 + ((lane / 8) % 2) * 8 + lane % 8;
+    staging_offset[k] = 2 * sw128_offset(kTileRows, row, 2 * k + lane / 16);
+  }
   // Operand descriptors: this warpgroup's Q rows in stage 0, the key block, the value block;
   // a stage, a 64-dim half and a k-step only move the start address.
   const uint64_t desc_q0 = ptx::make_sw128_kmajor_desc(q_stages + consumer * 64 * 64);
@@ -476,18 +485,26 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
     }
 
     // ---- epilogue: O / l through this warpgroup's Q rows, partial LSE --------------------------
+    float inverse[2];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) inverse[half] = row_sum[half] > 0.f ? rcp_approx(row_sum[half]) : 0.f;
+    const uint32_t tile_address = ptx::shared_address(q_tile);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {  // register r: rows half r % 2, columns 16k + 8·(r / 2) …
+      uint32_t frag[4];
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        frag[r] = ptx::pack2<Element>(out[8 * k + 2 * r] * inverse[r % 2], out[8 * k + 2 * r + 1] * inverse[r % 2]);
+      }
+      ptx::stmatrix_x4(tile_address + staging_offset[k % 4] + (k / 4) * kTileRows * 128, frag);
+    }
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int row = row0 + half * 8;
-      const float inverse = row_sum[half] > 0.f ? 1.f / row_sum[half] : 0.f;
-#pragma unroll
-      for (int j = 0; j < 16; ++j) {
-        *reinterpret_cast<uint32_t*>(q_tile + sw128_offset(kTileRows, row, j) + (lane % 4) * 2) =
-            ptx::pack2<Element>(out[4 * j + 2 * half] * inverse, out[4 * j + 2 * half + 1] * inverse);
-      }
       if (lane % 4 == 0 && row < valid_rows) {
-        const int64_t index = stage_meta.out_offset[acc_token[half]] / kHeadDim + int64_t(row % M) * args.top_k;
-        args.partial_lse[index] = (scaled_max[half] + log2f(row_sum[half])) * kLn2;
+        const uint64_t token_offset = uint64_t(stage_meta.out_offset[acc_token[half]]);  // a multiple of D
+        const int64_t index = int64_t(token_offset / kHeadDim) + int64_t(row % M) * args.top_k;
+        args.partial_lse[index] = (scaled_max[half] + log2_approx(row_sum[half])) * kLn2;
       }
     }
     ptx::named_barrier_sync(2 + consumer, 128);  // staged rows and (proxy turn) warp statistics
@@ -502,19 +519,22 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
 #pragma unroll
       for (int w = 0; w < 4; ++w) {
         const float2 stat = tile_stats[w * prows + wg_thread];
-        if (stat.x != kNegInf) total_sum += stat.y * exp2f(stat.x - total_max);
+        if (stat.x != kNegInf) total_sum += stat.y * exp2_approx(stat.x - total_max);
       }
       const int64_t flat_row = int64_t(key.b) * args.seqlen + stage_meta.token_row[wg_thread] - args.chunk_first_row;
       args.partial_proxy_lse[(flat_row * args.num_proxy_heads + key.proxy_head) * args.top_k +
-                             stage_meta.token_slot[wg_thread]] = (total_max + log2f(total_sum)) * kLn2;
+                             stage_meta.token_slot[wg_thread]] = (total_max + log2_approx(total_sum)) * kLn2;
     }
 
     // Rows r and r + 8 share their swizzle phase, so the staged chunk moves by 8 rows per store.
     const Element* staged = q_tile + sw128_offset(kTileRows, consumer * 64 + wg_thread / 16, wg_thread % 16);
+    int64_t token_offset[8];  // read before the stores, which the compiler cannot prove disjoint from it
+#pragma unroll
+    for (int i = 0; i < 8; ++i) token_offset[i] = stage_meta.out_offset[store_token[i]];
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
       if (consumer * 64 + 8 * i + wg_thread / 16 < valid_rows) {
-        Element* dst = args.partial_out + stage_meta.out_offset[store_token[i]] + store_offset[i];
+        Element* dst = args.partial_out + token_offset[i] + store_offset[i];
         *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(staged + i * 8 * 64);
       }
     }

@@ -45,6 +45,15 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t (&frag)[4], const void* sha
                : "r"(shared_address(shared)));
 }
 
+// Stores four 8x8 16-bit matrices: lanes 8i … 8i + 7 give the row addresses of matrix i, and
+// register i of each lane holds (row lane/4, columns 2·(lane%4) + {0, 1}) of matrix i, the
+// accumulator fragment's layout.
+__device__ __forceinline__ void stmatrix_x4(uint32_t shared, const uint32_t (&frag)[4]) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(shared),
+               "r"(frag[0]), "r"(frag[1]), "r"(frag[2]), "r"(frag[3])
+               : "memory");
+}
+
 __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&frag)[4], const void* shared) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
                : "=r"(frag[0]), "=r"(frag[1]), "=r"(frag[2]), "=r"(frag[3])
