@@ -310,6 +310,10 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
   const int lane = threadIdx.x % 32;
   const int quad = lane % 4;
   const int key_row0 = consumer * 64 + warp * 16 + lane / 4;  // block rows key_row0, key_row0 + 8
+  // Row 8·(lane / 16) + lane % 8, key chunk 2·warp + (lane / 8) % 2 of this warpgroup's dS half; the
+  // swizzle phase is row % 8, so the 16-row k-steps move the address by 16 rows.
+  const uint32_t ds_address = ptx::shared_address(
+      ds_tile + consumer * kStepRows * 64 + sw128_offset(kStepRows, 8 * (lane / 16) + lane % 8, 2 * warp + (lane / 8) % 2));
   constexpr uint32_t kMidBarrier = 2;   // dS, g, staged rows, KL partials written by both
   constexpr uint32_t kStepBarrier = 3;  // both warpgroups done with the previous step
 
@@ -387,23 +391,42 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
 #pragma unroll
       for (int i = 0; i < kT; ++i) teacher[h][i] = 0.f;
     }
+    // Three passes, so the 32 exponentials issue back to back and the mask costs one uniform branch.
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-      const int n = 8 * j + 2 * quad;
-      const float2 lse = *reinterpret_cast<const float2*>(&m.lse[n]);
-      const float2 delta = *reinterpret_cast<const float2*>(&m.delta[n]);
+      const float2 lse = *reinterpret_cast<const float2*>(&m.lse[8 * j + 2 * quad]);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float& x = score[4 * j + 2 * h + e];
+          x = exp2_approx(fmaf(x, args.scale_log2, -(e ? lse.y : lse.x)));
+        }
+      }
+    }
+    if (need_mask) {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int local = row_token[8 * j + 2 * quad + e];
+          const int token = local < count ? m.token[local] : -1;
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            if (first_key + key_row0 + 8 * h > token) score[4 * j + 2 * h + e] = 0.f;
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const float2 delta = *reinterpret_cast<const float2*>(&m.delta[8 * j + 2 * quad]);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int index = 4 * j + 2 * h + e;
-          float p = exp2_approx(fmaf(score[index], args.scale_log2, -(e ? lse.y : lse.x)));
-          if (need_mask) {
-            const int local = row_token[n + e];
-            const int token = local < count ? m.token[local] : -1;
-            if (first_key + key_row0 + 8 * h > token) p = 0.f;
-          }
-          score[index] = p;
+          const float p = score[index];
           dprob[index] = p * (dprob[index] - (e ? delta.y : delta.x));
           teacher[h][(2 * j + e) / kM] += p;
         }
@@ -434,21 +457,13 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
     }
     ptx::wgmma_commit_group();
 
-    // ---- dS to shared memory, (row, key) from the packed pairs (rows n, n + 1 of one key) ----------------
+    // ---- dS to shared memory as (row, key), transposed by stmatrix: lane 8i + j stores step row
+    // 16·k_step + 8·(i / 2) + j, keys 8·(i % 2) … of this warp's 16 -------------------------------------
     // Both warpgroups finished the previous step first: its dQ and proxy GEMMs read dS, g, the staged
     // q_proxy rows and the KL partials that this step overwrites.
     if (step > 0) ptx::named_barrier_sync(kStepBarrier, 256);
 #pragma unroll
-    for (int k_step = 0; k_step < 4; ++k_step) {
-#pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const int n = 8 * (2 * k_step + r / 2) + 2 * quad;
-        const int key_local = warp * 16 + lane / 4 + 8 * (r % 2);  // inside this warpgroup's half
-        uint16_t* half_tile = reinterpret_cast<uint16_t*>(ds_tile + consumer * kStepRows * 64) + key_local % 8;
-        half_tile[sw128_offset(kStepRows, n, key_local / 8)] = uint16_t(ds_frag[k_step][r] & 0xffffu);
-        half_tile[sw128_offset(kStepRows, n + 1, key_local / 8)] = uint16_t(ds_frag[k_step][r] >> 16);
-      }
-    }
+    for (int k_step = 0; k_step < 4; ++k_step) ptx::stmatrix_x4_trans(ds_address + k_step * 16 * 128, ds_frag[k_step]);
 
     // ---- KL: π, g = π − t, the KL terms; g and the q_proxy rows staged --------------------------------
     if (args.with_kl) {

@@ -54,6 +54,14 @@ __device__ __forceinline__ void stmatrix_x4(uint32_t shared, const uint32_t (&fr
                : "memory");
 }
 
+// The same four matrices stored transposed: lane 8i + j addresses row j of the transpose of matrix
+// i, which receives column j of the fragment (so a key-by-row accumulator lands row-by-key).
+__device__ __forceinline__ void stmatrix_x4_trans(uint32_t shared, const uint32_t (&frag)[4]) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(shared),
+               "r"(frag[0]), "r"(frag[1]), "r"(frag[2]), "r"(frag[3])
+               : "memory");
+}
+
 __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&frag)[4], const void* shared) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
                : "=r"(frag[0]), "=r"(frag[1]), "=r"(frag[2]), "=r"(frag[3])
