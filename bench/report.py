@@ -31,13 +31,20 @@ def fmt_seqlen(seqlen):
     return "%dK" % (seqlen // 1024) if seqlen % 1024 == 0 else str(seqlen)
 
 
+def ratio(anchor_ms, ours_ms):
+    """Speed-up of flashmsa over an anchor (anchor ms / flashmsa ms), "-" without an anchor."""
+    return "%.1f\u00d7" % (anchor_ms / ours_ms) if anchor_ms and ours_ms else "-"
+
+
 def table(result):
     rows = result["rows"]
     dense = {(r["stage"], r["S"]): r["ms"] for r in rows if r["system"] == "cudnn_dense"}
     flex = {(r["stage"], r["S"]): r["ms"] for r in rows if r["system"] == "flex_tile_shared"}
     lines = ["Measured on %s, commit `%s`, %s. Medians of CUDA-event timings, L2 flushed; "
              "TFLOP/s on counted FLOPs (docs/design.md §3). Dense and FlexAttention columns: "
-             "the same stage of the paper configuration at the same S, same run." %
+             "the same stage of the paper configuration at the same S, same run. "
+             "The two \u00d7 columns divide the anchor's ms by the flashmsa ms (above 1: flashmsa is "
+             "faster); the anchors run dense or tile-shared attention, not the same sparse pattern." %
              (result["gpu"], result["commit"][:10], result["date"]), ""]
     # Rows carried from earlier runs (bench/results.py --carry) name the commit they measured.
     carried = any(r.get("commit") for r in rows if r["system"] == "flashmsa")
@@ -45,8 +52,9 @@ def table(result):
         lines[0] += (" Rows whose last column names another commit were carried from an earlier run "
                      "of the GPU check (see the notes below the table).")
     lines.append("| stage | config | pattern | S | flashmsa ms | TFLOP/s | cuDNN dense ms | "
-                 "Flex tile-shared ms |" + (" measured at |" if carried else ""))
-    lines.append("|---|---|---|---|---|---|---|---|" + ("---|" if carried else ""))
+                 "Flex tile-shared ms | \u00d7 vs cuDNN | \u00d7 vs Flex |" +
+                 (" measured at |" if carried else ""))
+    lines.append("|---|---|---|---|---|---|---|---|---|---|" + ("---|" if carried else ""))
     ours = [r for r in rows if r["system"] == "flashmsa"]
     ours.sort(key=lambda r: (STAGE_ORDER.index(r["stage"]) if r["stage"] in STAGE_ORDER else 99,
                              r["config"], r["pattern"] or "", r["S"]))
@@ -54,10 +62,11 @@ def table(result):
         key = (DENSE_STAGE.get(r["stage"], ""), r["S"])
         dense_ms = dense.get(key) if r["config"] == "paper" else None
         flex_ms = flex.get(key) if r["config"] == "paper" else None
-        lines.append("| %s | %s | %s | %s | %.3f | %s | %s | %s |" % (
+        lines.append("| %s | %s | %s | %s | %.3f | %s | %s | %s | %s | %s |" % (
             r["stage"], r["config"], r["pattern"] or "-", fmt_seqlen(r["S"]), r["ms"],
             "%.0f" % r["tflops"] if r.get("tflops") else "-",
-            "%.2f" % dense_ms if dense_ms else "-", "%.2f" % flex_ms if flex_ms else "-") +
+            "%.2f" % dense_ms if dense_ms else "-", "%.2f" % flex_ms if flex_ms else "-",
+            ratio(dense_ms, r["ms"]), ratio(flex_ms, r["ms"])) +
                      ((" `%s` |" % r["commit"][:7] if r.get("commit") else " this run |") if carried else ""))
     lines.extend(anchor_table(result))
     tests = result.get("tests", {})
