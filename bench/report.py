@@ -36,16 +36,22 @@ def ratio(anchor_ms, ours_ms):
     return "%.1f\u00d7" % (anchor_ms / ours_ms) if anchor_ms and ours_ms else "-"
 
 
+def anchor_origin(rows):
+    """Where the anchor rows come from: this run, or the commits they were carried from."""
+    commits = sorted({r["commit"][:7] for r in rows if r["system"] != "flashmsa" and r.get("commit")})
+    return "carried from the run at %s" % ", ".join("`%s`" % c for c in commits) if commits else "same run"
+
+
 def table(result):
     rows = result["rows"]
     dense = {(r["stage"], r["S"]): r["ms"] for r in rows if r["system"] == "cudnn_dense"}
     flex = {(r["stage"], r["S"]): r["ms"] for r in rows if r["system"] == "flex_tile_shared"}
     lines = ["Measured on %s, commit `%s`, %s. Medians of CUDA-event timings, L2 flushed; "
              "TFLOP/s on counted FLOPs (docs/design.md §3). Dense and FlexAttention columns: "
-             "the same stage of the paper configuration at the same S, same run. "
+             "the same stage of the paper configuration at the same S (%s). "
              "The two \u00d7 columns divide the anchor's ms by the flashmsa ms (above 1: flashmsa is "
              "faster); the anchors run dense or tile-shared attention, not the same sparse pattern." %
-             (result["gpu"], result["commit"][:10], result["date"]), ""]
+             (result["gpu"], result["commit"][:10], result["date"], anchor_origin(rows)), ""]
     # Rows carried from earlier runs (bench/results.py --carry) name the commit they measured.
     carried = any(r.get("commit") for r in rows if r["system"] == "flashmsa")
     if carried:
@@ -92,8 +98,8 @@ def anchor_table(result):
         return []
     anchors.sort(key=lambda r: (r["system"], STAGE_ORDER.index(r["stage"]) if r["stage"] in STAGE_ORDER
                                 else 99, r["pattern"] or "", r["S"]))
-    lines = ["", "Anchors of the same run (config as stated; eager PyTorch computes dense fp32 "
-             "scores, so no TFLOP/s):", "",
+    lines = ["", "Anchors (%s; config as stated; eager PyTorch computes dense fp32 scores, so no "
+             "TFLOP/s):" % anchor_origin(anchors), "",
              "| system | stage | config | pattern | S | ms | TFLOP/s | peak GB |",
              "|---|---|---|---|---|---|---|---|"]
     for r in anchors:
