@@ -74,6 +74,7 @@ def table(result):
             "%.2f" % dense_ms if dense_ms else "-", "%.2f" % flex_ms if flex_ms else "-",
             ratio(dense_ms, r["ms"]), ratio(flex_ms, r["ms"])) +
                      ((" `%s` |" % r["commit"][:7] if r.get("commit") else " this run |") if carried else ""))
+    lines.extend(traffic_table(rows))
     lines.extend(anchor_table(result))
     tests = result.get("tests", {})
     for suite, counts in sorted(tests.items()):
@@ -81,6 +82,36 @@ def table(result):
         lines.append("GPU tests (%s): %d passed, %d failed, %d skipped." %
                      (suite, counts["passed"], counts["failed"], counts["skipped"]))
     return "\n".join(lines)
+
+
+# Fewest HBM bytes per counted FLOP of the KV-outer main branch (docs/design.md §3, D = 128): per
+# (row, head, selected block) of 4·D·128 counted FLOPs, the forward gathers the Q row (2D bytes),
+# writes and reads back a bf16 partial O and its LSE (2·(2D + 4)); the backward counts 2.5× the
+# forward's FLOPs and gathers Q and dO (4D) and reduce-adds the fp32 dQ row (4D).
+HEAD_DIM = 128
+BYTES_PER_FLOP = {"forward": (6 * HEAD_DIM + 8) / (4 * HEAD_DIM * 128),
+                  "backward": (8 * HEAD_DIM) / (2.5 * 4 * HEAD_DIM * 128)}
+HBM_PEAK_TBS = 4.8  # H200
+
+
+def traffic_table(rows):
+    """Modelled HBM bytes of the paper-configuration forward and backward (random pattern) against
+    the measured time: how close each stage runs to the memory floor."""
+    picked = [r for r in rows if r["system"] == "flashmsa" and r["config"] == "paper" and
+              r["pattern"] == "random" and r["stage"] in BYTES_PER_FLOP and r.get("tflops")]
+    if not picked:
+        return []
+    picked.sort(key=lambda r: (r["stage"], r["S"]))
+    lines = ["", "Modelled HBM traffic (paper, random; bytes from the counted FLOPs by the cost model "
+             "of docs/design.md §3, not measured; peak %.1f TB/s):" % HBM_PEAK_TBS, "",
+             "| stage | S | model GB | ms | TB/s | % of peak | floor ms |", "|---|---|---|---|---|---|---|"]
+    for r in picked:
+        gigabytes = r["tflops"] * r["ms"] * BYTES_PER_FLOP[r["stage"]]  # TFLOP/s · ms = GFLOP
+        tbs = gigabytes / r["ms"]
+        lines.append("| %s | %s | %.1f | %.3f | %.2f | %.0f%% | %.1f |" % (
+            r["stage"], fmt_seqlen(r["S"]), gigabytes, r["ms"], tbs, 100 * tbs / HBM_PEAK_TBS,
+            gigabytes / HBM_PEAK_TBS))
+    return lines
 
 
 SYSTEM_NAMES = {"cudnn_dense": "cuDNN dense (SDPA)", "fa2_dense": "FlashAttention-2 dense (SDPA)",
