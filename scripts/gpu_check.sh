@@ -6,7 +6,8 @@
 #
 # BIN_DIR holds prebuilt flashmsa_gpu_tests and flashmsa_bench (default: build/, built here if
 # missing). The commit measured is read from BIN_DIR/COMMIT when present (binaries built elsewhere),
-# else from git. Results go to $RESULTS_DIR (default bench/results) as h200.json plus raw logs.
+# else from git. Results go to $RESULTS_DIR (default bench/results) as h200.json plus raw logs; in
+# the default place they also regenerate the README results table and docs/plots (bench/report.py).
 # Environment: SEQLENS (default 8192,32768,131072), CONFIGS (default paper,specialized,seed),
 # ANCHORS=0 to skip the torch anchors, FLEX=0 to skip FlexAttention among them (tile-shared at
 # 8K/32K/128K, per-query at 8K, within FLEX_BUDGET_S, default 60 s, compile included),
@@ -120,4 +121,8 @@ if [[ "${PYTORCH_TESTS:-1}" != "0" ]]; then
 fi
 
 write_results
+# Results written into the repository regenerate the README table and the plots (plots need matplotlib).
+if [[ "$results_dir" -ef "$root/bench/results" ]]; then
+  python3 "$root/bench/report.py" || echo "gpu_check: bench/report.py failed; run it by hand"
+fi
 exit $(( tests_rc != 0 ? tests_rc : python_rc ))
