@@ -336,11 +336,9 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
   // 8·((l/8) % 2) + l % 8 of its warp's 16 and 16-byte chunk 2k + l/16 of k-pair k; the swizzle
   // repeats with k % 4, and k ≥ 4 lands in the second 64-column half.
   uint32_t staging_offset[4];  // bytes from the stage's start
+  const int staging_row = consumer * 64 + warp * 16 + ((lane / 8) % 2) * 8 + lane % 8;
 #pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    const int row = consumer * 64 + warp * 16 + ((lane / 8) % 2) * 8 + lane % 8;
-    staging_offset[k] = 2 * sw128_offset(kTileRows, row, 2 * k + lane / 16);
-  }
+  for (int k = 0; k < 4; ++k) staging_offset[k] = 2 * sw128_offset(kTileRows, staging_row, 2 * k + lane / 16);
   // Operand descriptors: this warpgroup's Q rows in stage 0, the key block, the value block;
   // a stage, a 64-dim half and a k-step only move the start address.
   const uint64_t desc_q0 = ptx::make_sw128_kmajor_desc(q_stages + consumer * 64 * 64);
@@ -502,8 +500,8 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
     for (int half = 0; half < 2; ++half) {
       const int row = row0 + half * 8;
       if (lane % 4 == 0 && row < valid_rows) {
-        const uint64_t token_offset = uint64_t(stage_meta.out_offset[acc_token[half]]);  // a multiple of D
-        const int64_t index = int64_t(token_offset / kHeadDim) + int64_t(row % M) * args.top_k;
+        const uint64_t out_offset = uint64_t(stage_meta.out_offset[acc_token[half]]);  // a multiple of D
+        const int64_t index = int64_t(out_offset / kHeadDim) + int64_t(row % M) * args.top_k;
         args.partial_lse[index] = (scaled_max[half] + log2_approx(row_sum[half])) * kLn2;
       }
     }
