@@ -50,13 +50,20 @@ TEST(PipelinedForwardLayout, OneHeadPerProxyUsesTheFirstKernel) {
 TEST(PipelinedBackwardLayout, FitsWithAlignedTiles) {
   const kernels::backward::PipelinedLayout layout = kernels::backward::make_pipelined_layout();
   EXPECT_LE(layout.total, kernels::forward::kMaxDynamicSharedBytes);
-  for (uint32_t offset : {layout.k, layout.v, layout.kp, layout.q, layout.dout, layout.qp, layout.ds, layout.g,
-                          layout.qp_flush}) {
+  for (uint32_t offset : {layout.k, layout.v, layout.kp, layout.stage, layout.ds, layout.g, layout.qp_flush}) {
     EXPECT_EQ(offset % 1024, 0u);
   }
-  // Per-stage tiles are whole 1024-byte atoms, so every stage's tile is aligned too.
+  // A stage and its Q, dO, q_proxy tiles are whole 1024-byte atoms, so every tile is aligned too.
+  EXPECT_EQ(kernels::backward::kPipelinedStageBytes % 1024, 0u);
   EXPECT_EQ(kernels::backward::kStepRows * kernels::backward::kHeadDim * 2 % 1024, 0);
   EXPECT_EQ(kernels::backward::kProxyRowsPerStage * kernels::backward::kHeadDim * 2 % 1024, 0);
+  EXPECT_EQ(layout.ds - layout.stage, kernels::backward::kPipelinedStages * kernels::backward::kPipelinedStageBytes);
+  // The dQ staging of both consumer warpgroups fits a stage, and every staged row is a legal bulk
+  // reduce-add source (16-byte aligned, a multiple of 16 bytes).
+  EXPECT_LE(2 * kernels::backward::kDqStageBytes, kernels::backward::kPipelinedStageBytes);
+  EXPECT_EQ(kernels::backward::kDqStageStride % 16, 0u);
+  EXPECT_EQ(kernels::backward::kDqStageRowBytes % 16, 0u);
+  EXPECT_EQ(kernels::backward::kDqStageBytes % 16, 0u);
   EXPECT_EQ(layout.meta % 16, 0u);  // float2 loads of (LSE, Δ) pairs
   EXPECT_EQ(sizeof(kernels::backward::StepMeta) % 16, 0u);
   EXPECT_EQ(layout.barriers % 8, 0u);

@@ -123,6 +123,17 @@ constexpr int proxy_row_of_token(int t, int m) {
   return 8 * (c / 2) + 2 * (t / step_tokens_per_quad(m)) + c % 2;
 }
 
+// A stage's bytes: Q and dO (64 rows each) and the q_proxy rows, 16-bit, 128-byte swizzle.
+constexpr uint32_t kPipelinedStageBytes = (2 * kStepRows + kProxyRowsPerStage) * kHeadDim * 2;
+// dQ staging inside a consumed stage: per consumer warpgroup its 64 dims of the 64 step rows in
+// fp32, one row per bulk reduce-add (256 bytes). Rows lie 288 bytes apart, so the 8 rows one
+// accumulator store touches start 32 bytes apart modulo 128: two wavefronts per store, the minimum.
+constexpr uint32_t kDqStageRowBytes = 64 * 4;
+constexpr uint32_t kDqStageStride = kDqStageRowBytes + 32;
+constexpr uint32_t kDqStageBytes = kStepRows * kDqStageStride;
+static_assert(2 * kDqStageBytes <= kPipelinedStageBytes, "dQ staging must fit in a consumed stage");
+static_assert(kPipelinedStageBytes % 1024 == 0, "stages keep the 128-byte swizzle's 1024-byte alignment");
+
 // Per-stage metadata written by the producer, read by the consumers.
 struct StepMeta {
   float lse[kStepRows];          // LSE · log2(e) per step row; +inf for padding rows (P = 0)
@@ -143,8 +154,9 @@ constexpr int kStepLast = 4;      // the CTA's last step
 // Byte offsets inside the pipelined kernel's shared memory (from a 1024-byte aligned base).
 struct PipelinedLayout {
   uint32_t k = 0, v = 0, kp = 0;  // (2 halves, 128 keys, 64) 16-bit, 128-byte swizzle
-  uint32_t q = 0, dout = 0;       // (stage, 2 halves, 64 rows, 64)
-  uint32_t qp = 0;                // (stage, 2 halves, 32 proxy rows, 64)
+  uint32_t stage = 0;             // (stage) Q (2 halves, 64 rows, 64), dO (same), q_proxy (2 halves,
+                                  // 32 proxy rows, 64); once the step's products have read them, the
+                                  // stage holds its fp32 dQ for the bulk reduce-adds (kDqStage*)
   uint32_t ds = 0;                // (2 key halves, 64 rows, 64 keys): dS, the A of dQ = dS·K
   uint32_t g = 0;                 // (128 keys, 64 tokens): π − t of the staged tokens (32 used)
   uint32_t qp_flush = 0;          // (2 halves, 32 tokens, 64): their q_proxy rows
@@ -159,8 +171,6 @@ struct PipelinedLayout {
 inline PipelinedLayout make_pipelined_layout() {
   PipelinedLayout layout;
   const uint32_t key_tile = kKeys * kHeadDim * 2;
-  const uint32_t row_tile = kStepRows * kHeadDim * 2;
-  const uint32_t proxy_tile = kProxyRowsPerStage * kHeadDim * 2;
   uint32_t at = 0;
   layout.k = at;
   at += key_tile;
@@ -168,12 +178,8 @@ inline PipelinedLayout make_pipelined_layout() {
   at += key_tile;
   layout.kp = at;
   at += key_tile;
-  layout.q = at;
-  at += kPipelinedStages * row_tile;
-  layout.dout = at;
-  at += kPipelinedStages * row_tile;
-  layout.qp = at;
-  at += kPipelinedStages * proxy_tile;
+  layout.stage = at;
+  at += kPipelinedStages * kPipelinedStageBytes;
   layout.ds = at;
   at += kStepRows * kKeys * 2;
   layout.g = at;

@@ -26,7 +26,9 @@
 //                                          MN-major; dK, dV stay in registers for the whole unit
 //                                          (chunk, b, g, c) and are reduce-added when it ends
 //              dQ = dS·K                   dS through shared memory; warpgroup c computes dims
-//                                          [64c, 64c + 64) and reduce-adds them (fp32)
+//                                          [64c, 64c + 64), stages them (fp32) in the consumed
+//                                          Q/dO stage and reduce-adds each row with one bulk
+//                                          operation (cp.reduce.async.bulk)
 //              KL                          t = mean of P over the M heads, π = exp(s̃σp − plse),
 //                                          g = π − t staged with the q_proxy rows (32 tokens), then
 //                                          dk_proxy += g·q̃ (m64n128) and dq_proxyᵀ = k̃ᵀ·gᵀ
@@ -51,6 +53,7 @@
 #include "kernels/common/device_math.h"
 #include "kernels/common/strided.h"
 #include "kernels/common/ptx/barrier.h"
+#include "kernels/common/ptx/tma.h"
 #include "kernels/common/ptx/warp_mma.h"
 #include "kernels/common/ptx/wgmma.h"
 #include "kernels/forward/pipelined_kernel.cuh"
@@ -93,7 +96,7 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
   constexpr int kStepTokens = step_tokens(kM);
   constexpr int kProxyCols = proxy_columns(kM);
   constexpr int kRowElements = kStepRows * kHeadDim;
-  constexpr int kProxyElements = kProxyRowsPerStage * kHeadDim;
+  constexpr int kStageElements = int(kPipelinedStageBytes / 2);
   using Mma128 = ptx::Wgmma64x128x16<Element>;
 
   extern __shared__ unsigned char smem_raw[];
@@ -101,9 +104,10 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
   Element* k_tile = reinterpret_cast<Element*>(smem + layout.k);
   Element* v_tile = reinterpret_cast<Element*>(smem + layout.v);
   Element* kp_tile = reinterpret_cast<Element*>(smem + layout.kp);
-  Element* q_stages = reinterpret_cast<Element*>(smem + layout.q);
-  Element* do_stages = reinterpret_cast<Element*>(smem + layout.dout);
-  Element* qp_stages = reinterpret_cast<Element*>(smem + layout.qp);
+  // Stage s: Q at q_stages + s·kStageElements, dO and q_proxy after it (config.h).
+  Element* q_stages = reinterpret_cast<Element*>(smem + layout.stage);
+  Element* do_stages = q_stages + kRowElements;
+  Element* qp_stages = q_stages + 2 * kRowElements;
   Element* ds_tile = reinterpret_cast<Element*>(smem + layout.ds);
   Element* g_tile = reinterpret_cast<Element*>(smem + layout.g);
   Element* qp_flush = reinterpret_cast<Element*>(smem + layout.qp_flush);
@@ -248,8 +252,8 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
         // step and head first_row % 2 + 2i % M of the group: the token and head offsets of a copy
         // are compile-time constants plus this thread's first token and head.
         {
-          Element* q_dst = q_stages + s * kRowElements + sw128_offset(kStepRows, first_row, chunk);
-          Element* do_dst = do_stages + s * kRowElements + sw128_offset(kStepRows, first_row, chunk);
+          Element* q_dst = q_stages + s * kStageElements + sw128_offset(kStepRows, first_row, chunk);
+          Element* do_dst = do_stages + s * kStageElements + sw128_offset(kStepRows, first_row, chunk);
           const int first_token = (first_row / 2) * kT;
           const int head = key.proxy_head * kM + first_row % 2;
           const Element* q_head = args.q.row(key.b, 0, head) + chunk * 8;
@@ -268,7 +272,7 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
           }
         }
         if (args.with_kl) {
-          Element* qp_dst = qp_stages + s * kProxyElements;
+          Element* qp_dst = qp_stages + s * kStageElements;
           for (int n = first_row; n < kProxyCols; n += 8) {
             const int local = proxy_row_tokens[n];
             const bool valid = local >= 0 && local < count;
@@ -363,9 +367,9 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
     key.proxy_head = m.proxy_head;
     const int first_key = key.block * kBlockSize;
     const bool need_mask = m.token[0] < first_key + kBlockSize - 1;
-    const Element* q_tile = q_stages + s * kRowElements;
-    const Element* do_tile = do_stages + s * kRowElements;
-    const Element* qp_tile = qp_stages + s * kProxyElements;
+    const Element* q_tile = q_stages + s * kStageElements;
+    const Element* do_tile = do_stages + s * kStageElements;
+    const Element* qp_tile = qp_stages + s * kStageElements;
 
     // ---- Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ, proxy scores (async) --------------------------------------------
     float score[32];
@@ -515,14 +519,16 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
         if (consumer_thread < kStepTokens) flush_token[staged + consumer_thread] = m.token[consumer_thread];
       }
     }
+    // dV and dK complete before the barrier: their register operands (P, dS) are then free for the
+    // dQ accumulators, and after the barrier neither warpgroup reads this step's Q or dO again, so
+    // the stage can take the dQ staging.
+    ptx::wgmma_wait_group<0>();
+    ptx::fence_accumulators(dk);
+    ptx::fence_accumulators(dv);
     ptx::fence_proxy_async_shared();  // dS, g and the staged rows are wgmma operands
     ptx::named_barrier_sync(kMidBarrier, 256);
 
     // ---- dQ = dS·K: this warpgroup's 64 dims, K MN-major ----------------------------------------------
-    // dV and dK first: their register operands (P, dS) are then free for the dQ accumulators.
-    ptx::wgmma_wait_group<0>();
-    ptx::fence_accumulators(dk);
-    ptx::fence_accumulators(dv);
     float dq[32];
     ptx::wgmma_fence();
 #pragma unroll
@@ -544,17 +550,29 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
     }
     ptx::wgmma_wait_group<0>();
     ptx::fence_accumulators(dq);
+    // dQ through the consumed stage: a warp stores its 16 rows, then lane r < 16 reduce-adds row
+    // warp·16 + r (256 bytes) with one bulk operation. The stage is released once they have read it.
+    unsigned char* dq_stage = reinterpret_cast<unsigned char*>(q_stages + s * kStageElements) + consumer * kDqStageBytes;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int n = warp * 16 + lane / 4 + 8 * h;
+      float* row = reinterpret_cast<float*>(dq_stage + (warp * 16 + lane / 4 + 8 * h) * kDqStageStride) + 2 * quad;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        *reinterpret_cast<float2*>(row + 8 * j) = make_float2(dq[4 * j + 2 * h], dq[4 * j + 2 * h + 1]);
+      }
+    }
+    ptx::fence_proxy_async_shared();
+    __syncwarp();
+    if (lane < 16) {
+      const int n = warp * 16 + lane;
       const int local = row_token[n];
       if (local < count) {
         float* row = args.dq_accum +
                      ((int64_t(key.b) * args.seqlen + m.token[local]) * args.num_heads + key.proxy_head * kM +
-                      row_head[n]) * kHeadDim + consumer * 64 + 2 * quad;
-#pragma unroll
-        for (int j = 0; j < 8; ++j) reduce_add2(row + 8 * j, dq[4 * j + 2 * h], dq[4 * j + 2 * h + 1]);
+                      row_head[n]) * kHeadDim + consumer * 64;
+        ptx::bulk_reduce_add_f32(row, dq_stage + n * kDqStageStride, kDqStageRowBytes);
       }
+      ptx::bulk_commit_group();
     }
     if (args.with_kl_grad) staged += count;
 
@@ -620,6 +638,7 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
       }
       staged = 0;
     }
+    if (lane < 16) ptx::bulk_wait_group_read<0>();
     ptx::mbarrier_arrive(&q_empty[s]);
 
     // ---- dK, dV of the unit: reduce-added when it ends --------------------------------------------------
@@ -643,7 +662,10 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
         dv[i] = 0.f;
       }
     }
-    if (flags & kStepLast) break;
+    if (flags & kStepLast) {
+      if (lane < 16) ptx::bulk_wait_group<0>();
+      break;
+    }
   }
 }
 

@@ -4,8 +4,10 @@
 //
 // Comes before: forward/kernel.cuh (the partials of the chunk). Last stage of the forward.
 //
-// One warp per (row, head); lane l owns dims 4l … 4l+3, so every partial row is one coalesced
-// 256-byte read. Slots whose block_idx entry is −1 were never written and are skipped.
+// One warp per (row, head); the two half-warps take alternate slots and lane l owns dims
+// 8·(l % 16) … + 7, so each load instruction reads two partial rows as 16-byte pieces and a warp
+// has up to 16 rows (4 KB) in flight; the halves' sums meet through one shuffle. Slots whose
+// block_idx entry is −1 were never written and are skipped.
 #pragma once
 
 #include <cstdint>
@@ -90,36 +92,40 @@ __global__ void __launch_bounds__(256) sparse_forward_combine(const CombineArgs<
   const uint32_t valid_mask1 = __ballot_sync(0xffffffffu, valid1);
 
   // ---- weighted sum of the partial outputs --------------------------------------------------
-  const Half4* partial = reinterpret_cast<const Half4*>(args.partial_out + partial_row * K * kHeadDim) + lane;
-  float acc[4] = {0.f, 0.f, 0.f, 0.f};
-  // Eight slots are loaded before any is used, so their memory latencies overlap. Slots that were
+  const int half = lane / 16;
+  const uint4* partial =
+      reinterpret_cast<const uint4*>(args.partial_out + partial_row * K * kHeadDim) + half * (kHeadDim / 8) + lane % 16;
+  float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  // Sixteen slots are loaded before any is used, so their memory latencies overlap. Slots that were
   // never written hold stale bytes (possibly NaN patterns): they are discarded by a select, never
   // multiplied by a zero weight.
 #pragma unroll
-  for (int first = 0; first < kMaxTopK; first += 8) {
+  for (int first = 0; first < kMaxTopK; first += 16) {
     if (first >= K) break;
-    Half4 loaded[8];
+    uint4 loaded[8];
 #pragma unroll
     for (int u = 0; u < 8; ++u) {
-      if (first + u < K) loaded[u] = partial[(first + u) * (kHeadDim / 4)];
+      loaded[u] = first + 2 * u + half < K ? partial[(first + 2 * u) * (kHeadDim / 8)] : make_uint4(0, 0, 0, 0);
     }
 #pragma unroll
     for (int u = 0; u < 8; ++u) {
-      const int slot = first + u;
-      if (slot < K) {
-        const float weight = __shfl_sync(0xffffffffu, slot < 32 ? weight0 : weight1, slot & 31);
-        const bool valid = (((slot < 32 ? valid_mask0 : valid_mask1) >> (slot & 31)) & 1u) != 0;
-        float values[4];
-        unpack4<Element>(loaded[u], values);
+      const int slot = first + 2 * u + half;
+      const float weight = __shfl_sync(0xffffffffu, slot < 32 ? weight0 : weight1, slot & 31);
+      const bool valid = slot < K && (((slot < 32 ? valid_mask0 : valid_mask1) >> (slot & 31)) & 1u) != 0;
+      float values[8];
+      unpack4<Element>(Half4{loaded[u].x, loaded[u].y}, *reinterpret_cast<float(*)[4]>(values));
+      unpack4<Element>(Half4{loaded[u].z, loaded[u].w}, *reinterpret_cast<float(*)[4]>(values + 4));
 #pragma unroll
-        for (int d = 0; d < 4; ++d) acc[d] += valid ? weight * values[d] : 0.f;
-      }
+      for (int d = 0; d < 8; ++d) acc[d] += valid ? weight * values[d] : 0.f;
     }
   }
+#pragma unroll
+  for (int d = 0; d < 8; ++d) acc[d] += __shfl_xor_sync(0xffffffffu, acc[d], 16);
+  // Both halves hold the sums: half h writes dims 8·(l % 16) + 4h … + 3.
   Half4 packed;
-  packed.low = ptx::pack2<Element>(acc[0], acc[1]);
-  packed.high = ptx::pack2<Element>(acc[2], acc[3]);
-  *reinterpret_cast<Half4*>(args.out.row(b, i, head) + lane * 4) = packed;
+  packed.low = ptx::pack2<Element>(half ? acc[4] : acc[0], half ? acc[5] : acc[1]);
+  packed.high = ptx::pack2<Element>(half ? acc[6] : acc[2], half ? acc[7] : acc[3]);
+  *reinterpret_cast<Half4*>(args.out.row(b, i, head) + (lane % 16) * 8 + half * 4) = packed;
   if (lane == 0) {
     args.lse[(b * args.num_heads + head) * args.seqlen + i] =
         parts.y > 0.f ? parts.x + logf(parts.y) : kNegInf;

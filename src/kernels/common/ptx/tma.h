@@ -1,8 +1,11 @@
-// Tensor Memory Accelerator (cp.async.bulk.tensor) loads, as thin inline-PTX wrappers.
+// Tensor Memory Accelerator wrappers, as thin inline PTX: tensor loads (cp.async.bulk.tensor) and
+// bulk reduce-adds from shared to global memory (cp.reduce.async.bulk).
 //
 // Layer 1 of the device utilities. The tensor maps are built on the host by tma_desc.h and passed
 // to kernels as __grid_constant__ parameters; a load completes on an mbarrier (barrier.h) that was
-// told the byte count with mbarrier_arrive_expect_tx.
+// told the byte count with mbarrier_arrive_expect_tx. A bulk reduce-add completes in the issuing
+// thread's bulk groups: the writers of its source run fence_proxy_async_shared() before it is
+// issued, and the source may be overwritten once bulk_wait_group_read() returns.
 #pragma once
 
 #include <cuda.h>
@@ -27,6 +30,28 @@ __device__ __forceinline__ void tma_load_4d(void* destination, const CUtensorMap
       "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_address(barrier)), "r"(c0), "r"(c1), "r"(c2),
       "r"(c3)
       : "memory");
+}
+
+// global[i] += shared[i] for `bytes` / 4 floats (bytes a multiple of 16, both addresses 16-byte
+// aligned), done by the TMA unit: no load-store-unit instructions per element.
+__device__ __forceinline__ void bulk_reduce_add_f32(float* destination, const void* source, uint32_t bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;" ::"l"(destination),
+               "r"(smem_address(source)), "r"(bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ void bulk_commit_group() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+
+// Waits until at most N of this thread's bulk groups still read their shared-memory sources.
+template <int N>
+__device__ __forceinline__ void bulk_wait_group_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory");
+}
+
+// Waits until at most N of this thread's bulk groups are incomplete (their global writes done).
+template <int N>
+__device__ __forceinline__ void bulk_wait_group() {
+  asm volatile("cp.async.bulk.wait_group %0;" ::"n"(N) : "memory");
 }
 
 }  // namespace flashmsa::kernels::ptx
