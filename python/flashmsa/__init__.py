@@ -13,11 +13,13 @@ from ._ops import include_dir, library_path, ops
 from .functional import (BLOCK_SIZE, flash_msa_func, last_kl, msa_attention, new_kl_sink,
                          select_blocks, top_k_blocks)
 from .modules import MSAAttention, apply_rotary
+from .monitor import block_recall
 
 __all__ = [
     "BLOCK_SIZE",
     "MSAAttention",
     "apply_rotary",
+    "block_recall",
     "flash_msa_func",
     "include_dir",
     "last_kl",

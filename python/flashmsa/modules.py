@@ -12,6 +12,7 @@ from torch import nn
 
 from . import eager
 from .functional import MODES, msa_attention, new_kl_sink, top_k_blocks
+from .monitor import block_recall
 
 
 def apply_rotary(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
@@ -65,6 +66,11 @@ class MSAAttention(nn.Module):
         detach_proxy_input: proxies read hidden_states.detach() (default True).
         rotary_base: base of the rotary embedding applied to q, k, q_proxy and k_proxy; None: none.
         backend: "flashmsa" (the ops) or "eager" (flashmsa.eager, for comparisons).
+        recall_rows: when > 0, every forward also measures the index branch against the main
+            attention on that many query rows (flashmsa.block_recall: block and score recall, in
+            warmup as in sparse mode) and keeps the result in ``self.last_recall``, a dict of 0-d
+            fp32 tensors (no host synchronisation). It costs one select plus rows × H × S × D
+            multiply-adds per call; set it on the steps you log. Default 0: off.
     """
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, num_proxy_heads: int,
@@ -73,7 +79,7 @@ class MSAAttention(nn.Module):
                  detach_proxy_input: bool = True, rotary_base: Optional[float] = 10000.0,
                  softmax_scale: Optional[float] = None, proxy_scale: Optional[float] = None,
                  deterministic: bool = False, bias: bool = False, backend: str = "flashmsa",
-                 device=None, dtype=None):
+                 recall_rows: int = 0, device=None, dtype=None):
         super().__init__()
         top_k_blocks(top_k, caller="MSAAttention")
         if backend not in ("flashmsa", "eager"):
@@ -89,6 +95,8 @@ class MSAAttention(nn.Module):
         self.softmax_scale, self.proxy_scale = softmax_scale, proxy_scale
         self.deterministic = deterministic
         self.backend = backend
+        self.recall_rows = recall_rows
+        self.last_recall = None  # block_recall's result of the last forward, when recall_rows > 0
         self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=bias, **factory)
         self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias, **factory)
         self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias, **factory)
@@ -141,6 +149,10 @@ class MSAAttention(nn.Module):
             q, k, q_proxy, k_proxy = (apply_rotary(x, positions, self.rotary_base)
                                       for x in (q, k, q_proxy, k_proxy))
         scales = {"softmax_scale": self.softmax_scale, "proxy_scale": self.proxy_scale}
+        if self.recall_rows > 0:
+            with torch.no_grad():
+                self.last_recall = block_recall(q.detach(), k.detach(), q_proxy.detach(), k_proxy.detach(),
+                                                self.top_k, rows=self.recall_rows, **scales)
         if self.backend == "eager":
             out, kl = eager.msa_attention(q, k, v, q_proxy, k_proxy, self.top_k, mode=self.mode, **scales)
             kl = _ReportToSink.apply(kl, self._kl_sink)
