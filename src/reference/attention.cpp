@@ -436,6 +436,47 @@ Gradients backward(const Inputs& in, const std::vector<int32_t>& block_idx,
   return grads;
 }
 
+Recall recall(const Inputs& in, const std::vector<int32_t>& block_idx, const QueryRows& rows) {
+  validate(in);
+  const ProblemShape& s = in.shape;
+  check_block_idx(s, block_idx, Mode::kSparse);
+  const std::vector<int32_t> none;
+  const Problem dense{in, none, Mode::kWarmup, Precision::kFP64};  // every j <= i: the full teacher
+  Recall total;
+  int64_t measured = 0;
+  for (const QueryRow& r : resolve_rows(s, rows)) {
+    const int64_t visible = r.row / kBlockSize + 1;
+    const int64_t wanted = std::min<int64_t>(s.top_k, visible);
+    for (int p = 0; p < s.num_proxy_heads; ++p) {
+      const GroupRow row = evaluate(dense, r.batch, p, r.row);  // tokens 0 … i in order
+      std::vector<double> mass(visible, 0.0);
+      for (size_t t = 0; t < row.tokens.size(); ++t) mass[row.tokens[t] / kBlockSize] += row.teacher[t];
+      std::vector<int64_t> order(visible);
+      for (int64_t c = 0; c < visible; ++c) order[c] = c;
+      std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return mass[a] > mass[b]; });
+      std::vector<bool> in_teacher(visible, false);
+      for (int64_t n = 0; n < wanted; ++n) in_teacher[order[n]] = true;
+      const int32_t* slots = row_slots(s, block_idx, r.batch, p, r.row);
+      int64_t hits = 0;
+      double kept = 0.0;
+      std::vector<bool> counted(visible, false);  // a block listed twice counts once, as in T_pi
+      for (int slot = 0; slot < s.top_k; ++slot) {
+        const int32_t c = slots[slot];
+        if (c < 0 || c >= visible || counted[c]) continue;  // empty slot, later block, repeat
+        counted[c] = true;
+        hits += in_teacher[c] ? 1 : 0;
+        kept += mass[c];
+      }
+      total.block += static_cast<double>(hits) / static_cast<double>(wanted);
+      total.score += kept;
+      ++measured;
+    }
+  }
+  total.block /= static_cast<double>(measured);
+  total.score /= static_cast<double>(measured);
+  return total;
+}
+
 double loss(const Inputs& in, const std::vector<int32_t>& block_idx,
             const std::vector<double>& dout, double kl_grad, Mode mode) {
   check_dout(in.shape, dout);

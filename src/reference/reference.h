@@ -143,6 +143,17 @@ Gradients backward(const Inputs& in, const std::vector<int32_t>& block_idx,
                    const QueryRows& rows = {}, const KeyBlocks& blocks = {},
                    const ForwardOutputs* saved = nullptr);
 
+// Recall of a selection against the main attention (monitoring; python/flashmsa/monitor.py is the
+// same definition in torch). Per (b, p, i): the teacher t_pij of §3 over every visible token (the
+// warmup teacher of §5), a block's mass Σ_{j in block} t_pij, and T_p(i) the min(K, c(i)+1)
+// blocks of largest mass (ties to the smaller block). block = |selected ∩ T_p(i)| / |T_p(i)|,
+// score = the mass of the selected blocks; both averaged over `rows` (empty: all) × proxy heads.
+struct Recall {
+  double block = 0.0;
+  double score = 0.0;
+};
+Recall recall(const Inputs& in, const std::vector<int32_t>& block_idx, const QueryRows& rows = {});
+
 // A scalar function of all differentiable inputs, for finite-difference tests:
 //   loss = Σ out·dout + kl_grad · L_KL   (the selection held fixed at `block_idx`).
 // Its gradient with respect to q, k, v, q_proxy, k_proxy is exactly backward(...) in kFP64 except

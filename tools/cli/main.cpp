@@ -127,6 +127,12 @@ int run_cpu(const CliOptions& options, const cases::HeadConfig& config) {
       reference::backward(inputs, block_idx, dout, /*kl_grad=*/1.0, options.mode, fp64);
   const double backward_s = seconds_since(start);
 
+  // The selection against the main attention's own top-K (computed in warmup mode too: there it
+  // gates nothing, but it is what sparse mode will use).
+  start = std::chrono::steady_clock::now();
+  const reference::Recall recall = reference::recall(inputs, block_idx);
+  const double recall_s = seconds_since(start);
+
   auto rms = [](const std::vector<double>& values) {
     double sum = 0.0;
     for (double value : values) sum += value * value;
@@ -135,6 +141,8 @@ int run_cpu(const CliOptions& options, const cases::HeadConfig& config) {
   std::printf("  stage      time (CPU)   result\n");
   std::printf("  select     %8.3f s   block_idx[0,0,S-1,:K] local block first = %d\n", select_s,
               block_idx[(shape.seqlen - 1) * shape.top_k]);
+  std::printf("  recall     %8.3f s   block %.3f, score %.3f (the selection vs the teacher's top-K)\n",
+              recall_s, recall.block, recall.score);
   std::printf("  forward    %8.3f s   rms(out) = %.4f, KL = %.6f\n", forward_s, rms(fwd.out), fwd.kl);
   std::printf("  backward   %8.3f s   rms(dq) = %.4e, rms(dk) = %.4e, rms(dv) = %.4e,\n"
               "                          rms(dq_proxy) = %.4e, rms(dk_proxy) = %.4e\n",
