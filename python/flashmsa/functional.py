@@ -156,7 +156,9 @@ def msa_attention(
     if not return_kl:
         kl_sink = None
     elif kl_sink is None and not torch.compiler.is_compiling():
-        kl_sink = _last.sink = new_kl_sink(q.device)
+        # The sink's value is never read (only its .grad), so this per-call one is left
+        # uninitialised: new_kl_sink()'s zero fill would cost a kernel launch on every call.
+        kl_sink = _last.sink = torch.empty((), dtype=torch.float32, device=q.device, requires_grad=True)
     elif kl_sink is not None:
         _check_kl_sink(kl_sink, q, caller)
     block_idx = None
