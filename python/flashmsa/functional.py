@@ -29,9 +29,10 @@ def new_kl_sink(device: Union[str, torch.device, None] = None) -> torch.Tensor:
 
     Pass it as ``msa_attention(..., kl_sink=sink)``: the backward of that call adds the true KL
     value (SPEC.md §3) to ``sink.grad``, like a gradient: calls sharing a sink (layers,
-    micro-batches) sum their values until ``sink.grad = None``. Its own value is never read.
+    micro-batches) sum their values until ``sink.grad = None``. Its own value is never read, so it
+    is left uninitialised (a zero fill would be one more kernel launch per eager call).
     """
-    return torch.zeros((), dtype=torch.float32, device=device, requires_grad=True)
+    return torch.empty((), dtype=torch.float32, device=device, requires_grad=True)
 
 
 def last_kl() -> Optional[torch.Tensor]:
@@ -156,9 +157,7 @@ def msa_attention(
     if not return_kl:
         kl_sink = None
     elif kl_sink is None and not torch.compiler.is_compiling():
-        # The sink's value is never read (only its .grad), so this per-call one is left
-        # uninitialised: new_kl_sink()'s zero fill would cost a kernel launch on every call.
-        kl_sink = _last.sink = torch.empty((), dtype=torch.float32, device=q.device, requires_grad=True)
+        kl_sink = _last.sink = new_kl_sink(q.device)
     elif kl_sink is not None:
         _check_kl_sink(kl_sink, q, caller)
     block_idx = None
