@@ -151,8 +151,8 @@ class MSAAttention(nn.Module):
         scales = {"softmax_scale": self.softmax_scale, "proxy_scale": self.proxy_scale}
         if self.recall_rows > 0:
             with torch.no_grad():
-                self.last_recall = block_recall(q.detach(), k.detach(), q_proxy.detach(), k_proxy.detach(),
-                                                self.top_k, rows=self.recall_rows, **scales)
+                self.last_recall = block_recall(q, k, q_proxy, k_proxy, self.top_k, rows=self.recall_rows,
+                                                **scales)
         if self.backend == "eager":
             out, kl = eager.msa_attention(q, k, v, q_proxy, k_proxy, self.top_k, mode=self.mode, **scales)
             kl = _ReportToSink.apply(kl, self._kl_sink)

@@ -87,6 +87,7 @@ def block_recall(q: torch.Tensor, k: torch.Tensor, q_proxy: torch.Tensor, k_prox
     sampled = _sample_rows(seqlen, rows, device)
     keys = torch.arange(seqlen, device=device)
     block_of_key = keys // BLOCK_SIZE
+    block_ids = torch.arange(num_blocks, device=device)
     chunk = max(1, _SCRATCH_ELEMENTS // max(1, per_proxy * seqlen))
 
     block_hits = torch.zeros((), dtype=torch.float64, device=device)
@@ -110,7 +111,6 @@ def block_recall(q: torch.Tensor, k: torch.Tensor, q_proxy: torch.Tensor, k_prox
                 wanted = torch.clamp(visible_blocks, max=blocks)            # |T_p(i)|
                 # Teacher's top blocks: mass descending, ties to the smaller block; invisible
                 # blocks last (mass -1).
-                block_ids = torch.arange(num_blocks, device=device)
                 ranked_mass = mass.masked_fill(block_ids[None, :] >= visible_blocks[:, None], -1.0)
                 order = torch.argsort(ranked_mass, dim=1, descending=True, stable=True)
                 rank = torch.empty_like(order)
