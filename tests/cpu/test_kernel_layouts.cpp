@@ -3,6 +3,8 @@
 // shared memory of one H100/H200 block, the wgmma operand tiles start on 1024-byte boundaries (the
 // 128-byte swizzle's atom), and the pipelines keep at least two stages.
 #include <gtest/gtest.h>
+#include <algorithm>
+#include <utility>
 
 #include <vector>
 
@@ -58,15 +60,44 @@ TEST(PipelinedBackwardLayout, FitsWithAlignedTiles) {
   EXPECT_EQ(kernels::backward::kStepRows * kernels::backward::kHeadDim * 2 % 1024, 0);
   EXPECT_EQ(kernels::backward::kProxyRowsPerStage * kernels::backward::kHeadDim * 2 % 1024, 0);
   EXPECT_EQ(layout.ds - layout.stage, kernels::backward::kPipelinedStages * kernels::backward::kPipelinedStageBytes);
-  // The dQ staging of both consumer warpgroups fits a stage, and every staged row is a legal bulk
-  // reduce-add source (16-byte aligned, a multiple of 16 bytes).
-  EXPECT_LE(2 * kernels::backward::kDqStageBytes, kernels::backward::kPipelinedStageBytes);
-  EXPECT_EQ(kernels::backward::kDqStageStride % 16, 0u);
+  // The dQ staging fits a stage, and every token's run of M rows is a legal bulk reduce-add source
+  // (16-byte aligned, a multiple of 16 bytes).
+  EXPECT_LE(kernels::backward::kDqStageBytes, kernels::backward::kPipelinedStageBytes);
   EXPECT_EQ(kernels::backward::kDqStageRowBytes % 16, 0u);
-  EXPECT_EQ(kernels::backward::kDqStageBytes % 16, 0u);
+  EXPECT_EQ(kernels::backward::kDqQuadPad % 16, 0u);
   EXPECT_EQ(layout.meta % 16, 0u);  // float2 loads of (LSE, Δ) pairs
   EXPECT_EQ(sizeof(kernels::backward::StepMeta) % 16, 0u);
   EXPECT_EQ(layout.barriers % 8, 0u);
+}
+
+TEST(PipelinedBackwardLayout, DqStagingIsTokenMajorWithoutOverlapOrBankConflicts) {
+  namespace bw = kernels::backward;
+  for (int m : {2, 4, 8, 16}) {
+    const int tokens = 4 * (16 / m);
+    // Every step row lands at its token's run, in head order, inside the staging, and no two rows
+    // overlap.
+    std::vector<std::pair<uint32_t, int>> starts;
+    for (int n = 0; n < bw::kStepRows; ++n) {
+      const int token = bw::step_row_token(n, m);
+      const int head = bw::step_row_head(n, m);
+      ASSERT_LT(token, tokens) << "M = " << m << ", row " << n;
+      const uint32_t offset = bw::dq_stage_row_offset(n, m);
+      EXPECT_EQ(offset, bw::dq_stage_token_offset(token, m) + uint32_t(head) * bw::kDqStageRowBytes);
+      EXPECT_LE(offset + bw::kDqStageRowBytes, bw::kDqStageBytes) << "M = " << m << ", row " << n;
+      starts.emplace_back(offset, n);
+    }
+    std::sort(starts.begin(), starts.end());
+    for (size_t i = 1; i < starts.size(); ++i) {
+      EXPECT_GE(starts[i].first, starts[i - 1].first + bw::kDqStageRowBytes) << "M = " << m;
+    }
+    // One accumulator store (fixed warp, h and column) touches rows warp·16 + 8h + r, r < 8, 32 bytes
+    // each: at most two rows may share a 32-byte bank group, so the store takes two wavefronts.
+    for (int first = 0; first < bw::kStepRows; first += 8) {
+      int per_group[4] = {0, 0, 0, 0};
+      for (int r = 0; r < 8; ++r) ++per_group[(bw::dq_stage_row_offset(first + r, m) % 128) / 32];
+      for (int g = 0; g < 4; ++g) EXPECT_LE(per_group[g], 2) << "M = " << m << ", rows " << first;
+    }
+  }
 }
 
 TEST(PipelinedBackwardLayout, ServesPowerOfTwoHeadMapsInNonDeterministicMode) {

@@ -125,13 +125,22 @@ constexpr int proxy_row_of_token(int t, int m) {
 
 // A stage's bytes: Q and dO (64 rows each) and the q_proxy rows, 16-bit, 128-byte swizzle.
 constexpr uint32_t kPipelinedStageBytes = (2 * kStepRows + kProxyRowsPerStage) * kHeadDim * 2;
-// dQ staging inside a consumed stage: per consumer warpgroup its 64 dims of the 64 step rows in
-// fp32, one row per bulk reduce-add (256 bytes). Rows lie 288 bytes apart, so the 8 rows one
-// accumulator store touches start 32 bytes apart modulo 128: two wavefronts per store, the minimum.
-constexpr uint32_t kDqStageRowBytes = 64 * 4;
-constexpr uint32_t kDqStageStride = kDqStageRowBytes + 32;
-constexpr uint32_t kDqStageBytes = kStepRows * kDqStageStride;
-static_assert(2 * kDqStageBytes <= kPipelinedStageBytes, "dQ staging must fit in a consumed stage");
+// dQ staging inside a consumed stage: the step's 64 rows in fp32, whole 512-byte rows (both consumer
+// warpgroups' 64 dims), token-major with a token's M heads in head order, exactly as dq_accum holds
+// them, so one bulk reduce-add per token moves M × 512 contiguous bytes. The tokens of step quad q
+// (row_quad) start 32·q bytes later: the 8 rows one accumulator store touches are 4 tokens of
+// different quads × 2 heads, so they start at 4 distinct offsets modulo 128 bytes (two wavefronts
+// per store, the minimum for 256 bytes).
+constexpr uint32_t kDqStageRowBytes = kHeadDim * 4;
+constexpr uint32_t kDqQuadPad = 32;
+constexpr uint32_t dq_stage_token_offset(int token, int m) {
+  return uint32_t(token) * uint32_t(m) * kDqStageRowBytes + uint32_t(token / step_tokens_per_quad(m)) * kDqQuadPad;
+}
+constexpr uint32_t dq_stage_row_offset(int n, int m) {
+  return dq_stage_token_offset(step_row_token(n, m), m) + uint32_t(step_row_head(n, m)) * kDqStageRowBytes;
+}
+constexpr uint32_t kDqStageBytes = kStepRows * kDqStageRowBytes + 3 * kDqQuadPad;
+static_assert(kDqStageBytes <= kPipelinedStageBytes, "dQ staging must fit in a consumed stage");
 static_assert(kPipelinedStageBytes % 1024 == 0, "stages keep the 128-byte swizzle's 1024-byte alignment");
 
 // Per-stage metadata written by the producer, read by the consumers.
@@ -156,7 +165,7 @@ struct PipelinedLayout {
   uint32_t k = 0, v = 0, kp = 0;  // (2 halves, 128 keys, 64) 16-bit, 128-byte swizzle
   uint32_t stage = 0;             // (stage) Q (2 halves, 64 rows, 64), dO (same), q_proxy (2 halves,
                                   // 32 proxy rows, 64); once the step's products have read them, the
-                                  // stage holds its fp32 dQ for the bulk reduce-adds (kDqStage*)
+                                  // stage holds its fp32 dQ for the bulk reduce-adds (dq_stage_*)
   uint32_t ds = 0;                // (2 key halves, 64 rows, 64 keys): dS, the A of dQ = dS·K
   uint32_t g = 0;                 // (128 keys, 64 tokens): π − t of the staged tokens (32 used)
   uint32_t qp_flush = 0;          // (2 halves, 32 tokens, 64): their q_proxy rows

@@ -320,6 +320,11 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
       ds_tile + consumer * kStepRows * 64 + sw128_offset(kStepRows, 8 * (lane / 16) + lane % 8, 2 * warp + (lane / 8) % 2));
   constexpr uint32_t kMidBarrier = 2;   // dS, g, staged rows, KL partials written by both
   constexpr uint32_t kStepBarrier = 3;  // both warpgroups done with the previous step
+  constexpr uint32_t kDqBarrier = 4;    // the step's dQ rows staged by both
+  constexpr int kDqIssueLanes = (kStepTokens + 7) / 8;  // tokens per consumer warp, rounded up
+  // This thread's two accumulator rows (warp·16 + lane/4 + 8h) in the dQ staging.
+  const uint32_t dq_row_offset[2] = {dq_stage_row_offset(warp * 16 + lane / 4, kM),
+                                     dq_stage_row_offset(warp * 16 + lane / 4 + 8, kM)};
 
   float dk[64];
   float dv[64];
@@ -550,27 +555,26 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
     }
     ptx::wgmma_wait_group<0>();
     ptx::fence_accumulators(dq);
-    // dQ through the consumed stage: a warp stores its 16 rows, then lane r < 16 reduce-adds row
-    // warp·16 + r (256 bytes) with one bulk operation. The stage is released once they have read it.
-    unsigned char* dq_stage = reinterpret_cast<unsigned char*>(q_stages + s * kStageElements) + consumer * kDqStageBytes;
+    // dQ through the consumed stage: both warpgroups store their 64 dims of every row into the
+    // token-major staging (dq_stage_row_offset), then token t is reduce-added, M × 512 contiguous
+    // bytes, by lane t / 8 of consumer warp t % 8. The stage is released once those reads are done.
+    unsigned char* dq_stage = reinterpret_cast<unsigned char*>(q_stages + s * kStageElements);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      float* row = reinterpret_cast<float*>(dq_stage + (warp * 16 + lane / 4 + 8 * h) * kDqStageStride) + 2 * quad;
+      float* row = reinterpret_cast<float*>(dq_stage + dq_row_offset[h]) + consumer * 64 + 2 * quad;
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
         *reinterpret_cast<float2*>(row + 8 * j) = make_float2(dq[4 * j + 2 * h], dq[4 * j + 2 * h + 1]);
       }
     }
     ptx::fence_proxy_async_shared();
-    __syncwarp();
-    if (lane < 16) {
-      const int n = warp * 16 + lane;
-      const int local = row_token[n];
+    ptx::named_barrier_sync(kDqBarrier, 256);
+    if (lane < kDqIssueLanes) {
+      const int local = (consumer * 4 + warp) + 8 * lane;
       if (local < count) {
-        float* row = args.dq_accum +
-                     ((int64_t(key.b) * args.seqlen + m.token[local]) * args.num_heads + key.proxy_head * kM +
-                      row_head[n]) * kHeadDim + consumer * 64;
-        ptx::bulk_reduce_add_f32(row, dq_stage + n * kDqStageStride, kDqStageRowBytes);
+        float* rows = args.dq_accum +
+                      ((int64_t(key.b) * args.seqlen + m.token[local]) * args.num_heads + key.proxy_head * kM) * kHeadDim;
+        ptx::bulk_reduce_add_f32(rows, dq_stage + dq_stage_token_offset(local, kM), kM * kDqStageRowBytes);
       }
       ptx::bulk_commit_group();
     }
@@ -638,7 +642,7 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
       }
       staged = 0;
     }
-    if (lane < 16) ptx::bulk_wait_group_read<0>();
+    if (lane < kDqIssueLanes) ptx::bulk_wait_group_read<0>();
     ptx::mbarrier_arrive(&q_empty[s]);
 
     // ---- dK, dV of the unit: reduce-added when it ends --------------------------------------------------
@@ -663,7 +667,7 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
       }
     }
     if (flags & kStepLast) {
-      if (lane < 16) ptx::bulk_wait_group<0>();
+      if (lane < kDqIssueLanes) ptx::bulk_wait_group<0>();
       break;
     }
   }

@@ -6,8 +6,9 @@
 //
 // One warp per (row, head); the two half-warps take alternate slots and lane l owns dims
 // 8·(l % 16) … + 7, so each load instruction reads two partial rows as 16-byte pieces and a warp
-// has up to 16 rows (4 KB) in flight; the halves' sums meet through one shuffle. Slots whose
-// block_idx entry is −1 were never written and are skipped.
+// has up to 16 rows (4 KB) in flight; the halves' sums meet through one shuffle. The first sixteen
+// slots are requested before the selection and LSE loads, so a warp waits for memory about once.
+// Slots whose block_idx entry is −1 were never written and are skipped.
 #pragma once
 
 #include <cstdint>
@@ -62,7 +63,7 @@ __device__ __forceinline__ float2 warp_logsumexp_parts(float x0, float x1) {
 }
 
 template <typename Element>
-__global__ void __launch_bounds__(256) sparse_forward_combine(const CombineArgs<Element> args) {
+__global__ void __launch_bounds__(256, 3) sparse_forward_combine(const CombineArgs<Element> args) {
   const int64_t warp_index = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const int lane = threadIdx.x % 32;
   if (warp_index >= args.chunk_rows * args.num_heads) return;
@@ -74,15 +75,37 @@ __global__ void __launch_bounds__(256) sparse_forward_combine(const CombineArgs<
   const int proxy_head = head / args.heads_per_proxy;
   const int K = args.top_k;
 
-  const int32_t* selection = args.block_idx + ((b * args.num_proxy_heads + proxy_head) * args.seqlen + i) * K;
-  const bool valid0 = lane < K && selection[lane] >= 0;
-  const bool valid1 = lane + 32 < K && selection[lane + 32] >= 0;
+  const int64_t partial_row = local_row * args.num_heads + head;
+  const int half = lane / 16;
+  const uint4* partial =
+      reinterpret_cast<const uint4*>(args.partial_out + partial_row * K * kHeadDim) + half * (kHeadDim / 8) + lane % 16;
+  // Slots first + 2u + half, u < 8, one 16-byte piece each. Unconditional: a slot past K reads slot 0
+  // (always present; `partial` already points `half` slots in) and is discarded by the sum, so the
+  // eight loads carry no predicate.
+  auto load_slots = [&](int first, uint4 (&loaded)[8]) {
+#pragma unroll
+    for (int u = 0; u < 8; ++u) {
+      const int slot = first + 2 * u + half < K ? first + 2 * u : -half;
+      loaded[u] = __ldg(partial + slot * (kHeadDim / 8));
+    }
+  };
+  // The first sixteen slots are requested before anything else, so their latency overlaps the
+  // selection and LSE loads (a shuffle is a point the compiler does not move loads across).
+  uint4 loaded[8];
+  load_slots(0, loaded);
 
   // ---- weights of the partials --------------------------------------------------------------
-  const int64_t partial_row = local_row * args.num_heads + head;
+  const int32_t* selection = args.block_idx + ((b * args.num_proxy_heads + proxy_head) * args.seqlen + i) * K;
   const float* lse_row = args.partial_lse + partial_row * K;
-  const float lse0 = valid0 ? lse_row[lane] : kNegInf;
-  const float lse1 = valid1 ? lse_row[lane + 32] : kNegInf;
+  // Both loads issue together; the selection only decides afterwards which LSEs count.
+  const int32_t selected0 = lane < K ? selection[lane] : -1;
+  const int32_t selected1 = lane + 32 < K ? selection[lane + 32] : -1;
+  const float stored0 = lane < K ? lse_row[lane] : kNegInf;
+  const float stored1 = lane + 32 < K ? lse_row[lane + 32] : kNegInf;
+  const bool valid0 = selected0 >= 0;
+  const bool valid1 = selected1 >= 0;
+  const float lse0 = valid0 ? stored0 : kNegInf;
+  const float lse1 = valid1 ? stored1 : kNegInf;
   const float2 parts = warp_logsumexp_parts(lse0, lse1);
   const float base = parts.x == kNegInf ? 0.f : parts.x;
   const float inverse = parts.y > 0.f ? 1.f / parts.y : 0.f;
@@ -92,21 +115,13 @@ __global__ void __launch_bounds__(256) sparse_forward_combine(const CombineArgs<
   const uint32_t valid_mask1 = __ballot_sync(0xffffffffu, valid1);
 
   // ---- weighted sum of the partial outputs --------------------------------------------------
-  const int half = lane / 16;
-  const uint4* partial =
-      reinterpret_cast<const uint4*>(args.partial_out + partial_row * K * kHeadDim) + half * (kHeadDim / 8) + lane % 16;
   float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-  // Sixteen slots are loaded before any is used, so their memory latencies overlap. Slots that were
-  // never written hold stale bytes (possibly NaN patterns): they are discarded by a select, never
-  // multiplied by a zero weight.
+  // Slots that were never written hold stale bytes (possibly NaN patterns): they are discarded by a
+  // select, never multiplied by a zero weight.
 #pragma unroll
   for (int first = 0; first < kMaxTopK; first += 16) {
     if (first >= K) break;
-    uint4 loaded[8];
-#pragma unroll
-    for (int u = 0; u < 8; ++u) {
-      loaded[u] = first + 2 * u + half < K ? partial[(first + 2 * u) * (kHeadDim / 8)] : make_uint4(0, 0, 0, 0);
-    }
+    if (first > 0) load_slots(first, loaded);
 #pragma unroll
     for (int u = 0; u < 8; ++u) {
       const int slot = first + 2 * u + half;
