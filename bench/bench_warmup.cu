@@ -4,6 +4,10 @@
 // Counted FLOPs are the main branch's only, as for the dense anchors: forward 4·D·H·B·S(S+1)/2,
 // forward + backward 3.5 times that (the proxy LSE, the KL and the backward's recomputation of P
 // are not counted). Inputs are device-generated N(0, 1) values (bench/inputs.cuh).
+//
+// `warmup_kl` times what flashmsa adds when the dense main branch runs elsewhere (cuDNN through the
+// PyTorch op; fwd.main_branch = false): the proxy LSE forward and the KL-only backward, which reads
+// the LSE of the main forward. Counted: the backward's recomputation of S = QKᵀ, 2·D·H·B·S(S+1)/2.
 #include <cuda_runtime_api.h>
 
 #include <cstdio>
@@ -45,7 +49,21 @@ FLASHMSA_BENCH_OPT_IN(warmup, bench_warmup) {
                                                options.warmup, options.repeats);
       const double step_ms = time_median_ms([&](cudaStream_t s) { buffers.forward_backward(s); }, stream,
                                             options.warmup, options.repeats);
+      BackwardParams kl_only = buffers.backward_params;
+      kl_only.fwd.main_branch = false;
+      const double kl_ms = time_median_ms(
+          [&](cudaStream_t s) {
+            forward(kl_only.fwd, s);
+            backward(kl_only, s);
+          },
+          stream, options.warmup, options.repeats);
+      if (Status status = backward(kl_only, stream); !status.ok()) {
+        std::fprintf(stderr, "warmup_kl %s S=%lld: %s\n", config_name.c_str(), static_cast<long long>(seqlen),
+                     status.message.c_str());
+      }
       const double flops = dense_forward_flops(shape);
+      rows.push_back(timed_row("warmup_kl", config_name, "dense", seqlen, kl_ms, 0.5 * flops,
+                               "proxy LSE + KL-only backward (main branch elsewhere)"));
       for (const auto& [stage, ms, factor] :
            {std::tuple<const char*, double, double>{"warmup_fwd", forward_ms, 1.0},
             std::tuple<const char*, double, double>{"warmup_fwd_bwd", step_ms, 3.5}}) {

@@ -9,7 +9,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PATH = os.path.join(ROOT, "bench", "results", "h200.json")
-STAGES = {"select", "schedule", "forward", "backward", "fwd_bwd", "step", "warmup_fwd", "warmup_fwd_bwd"}
+STAGES = {"select", "schedule", "forward", "backward", "fwd_bwd", "step", "warmup_fwd", "warmup_fwd_bwd", "warmup_kl"}
 
 
 def is_commit(sha):

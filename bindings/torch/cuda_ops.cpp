@@ -11,7 +11,10 @@
 #include <cuda_runtime_api.h>
 #include <torch/library.h>
 
+#include <cmath>
+
 #include "tensor_args.h"
+#include "warmup_cudnn.h"
 
 namespace flashmsa::torch_binding {
 
@@ -44,6 +47,10 @@ void build_schedule(const ProblemShape& shape, const int32_t* block_idx, void* w
 }
 
 size_t align_256(size_t bytes) { return (bytes + 255) / 256 * 256; }
+
+double main_scale(const ForwardParams& params) {
+  return params.softmax_scale != 0.f ? double(params.softmax_scale) : 1.0 / std::sqrt(double(params.shape.head_dim));
+}
 
 // A 0-valued fp32 scalar on the device of `like`, zeroed on `stream`.
 // NOTES: one cudaMemsetAsync rather than at::zeros, whose fill kernel goes through TensorIterator
@@ -87,6 +94,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_cuda(
   const cudaStream_t stream = current_stream(q);
   const ForwardOutputs outputs = allocate_forward_outputs(params, q);
   check_status(validate(params), op, Check::kCallerInput);
+  if (params.mode == Mode::kWarmup && warmup_main_on_cudnn(shape, deterministic)) {
+    // O and LSE from cuDNN, the proxy LSE from flashmsa (warmup_cudnn.cpp).
+    if (const std::optional<CudnnForward> main = cudnn_dense_forward(q, k, v, shape, main_scale(params))) {
+      params.main_branch = false;
+      check_status(flashmsa::forward(params, stream), op, Check::kFull);
+      return {main->out, main->lse, outputs.proxy_lse, zero_scalar(q, stream, op)};
+    }
+  }
 
   // One device buffer for the schedule and the forward's workspace, in that order.
   const size_t schedule_bytes =
@@ -127,6 +142,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   params.fwd.kl = kl_value.data_ptr<float>();
   params.deterministic = deterministic;
   check_status(validate(params), op, Check::kCallerInput);
+  if (params.fwd.mode == Mode::kWarmup && warmup_main_on_cudnn(shape, deterministic)) {
+    // dq, dk, dv from cuDNN, the KL value and proxy gradients from flashmsa's KL-only backward.
+    if (const std::optional<CudnnGradients> main =
+            cudnn_dense_backward(dout_view, q, k, v, out, lse, shape, main_scale(params.fwd))) {
+      params.fwd.main_branch = false;
+      const at::Tensor workspace = device_buffer(backward_workspace_size(shape, Mode::kWarmup, false), q);
+      params.workspace = pointer_or_null(workspace);
+      check_status(flashmsa::backward(params, stream), op, Check::kFull);
+      return {main->dq, main->dk, main->dv, grads.dq_proxy, grads.dk_proxy, kl_value};
+    }
+  }
 
   // One device buffer for the schedule and the backward's workspace, in that order.
   const size_t schedule_bytes =

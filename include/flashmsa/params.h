@@ -86,6 +86,12 @@ struct ForwardParams {
   Mode mode = Mode::kSparse;
   float softmax_scale = 0.f;  // σ; 0 means D^-1/2
   float proxy_scale = 0.f;    // σp; 0 means Di^-1/2
+  // Warmup mode only: false leaves the dense main branch to another kernel (e.g. cuDNN's fused
+  // attention). The forward then writes proxy_lse alone (v, out and lse are not touched and may be
+  // null); the backward reads lse, the caller's natural-log [b, h, s] LSE of dense causal
+  // attention, and writes only the KL value and dq_proxy, dk_proxy (dout, dq, dk, dv, out and v are
+  // not touched and may be null). Non-deterministic (fp32 atomics); H/Hp ∈ {2, 4, 8, 16}.
+  bool main_branch = true;
 
   TensorRef q;        // [b, s, h, d]
   TensorRef k;        // [b, s, hkv, d]

@@ -374,6 +374,9 @@ Status check_forward_fields(const ForwardParams& params, const std::string& pref
   FLASHMSA_RETURN_IF_ERROR(check_mode(params.mode, prefix + "mode"));
   FLASHMSA_RETURN_IF_ERROR(check_scale(params.softmax_scale, prefix + "softmax_scale"));
   FLASHMSA_RETURN_IF_ERROR(check_scale(params.proxy_scale, prefix + "proxy_scale"));
+  const bool main_branch = params.main_branch;
+  FLASHMSA_CHECK_ARG(main_branch || params.mode == Mode::kWarmup, prefix + "main_branch",
+                     "may be false only in warmup mode (the sparse main branch is flashmsa's own)");
 
   const int64_t dim = shape.head_dim;
   const int64_t proxy_dim = shape.proxy_head_dim;
@@ -382,8 +385,10 @@ Status check_forward_fields(const ForwardParams& params, const std::string& pref
                                         Access::kRead, &views->q));
   FLASHMSA_RETURN_IF_ERROR(check_tensor(params.k, prefix + "k", shape, shape.num_kv_heads, dim,
                                         dtype, Access::kRead, &views->k));
-  FLASHMSA_RETURN_IF_ERROR(check_tensor(params.v, prefix + "v", shape, shape.num_kv_heads, dim,
-                                        dtype, Access::kRead, &views->v));
+  if (main_branch) {
+    FLASHMSA_RETURN_IF_ERROR(check_tensor(params.v, prefix + "v", shape, shape.num_kv_heads, dim,
+                                          dtype, Access::kRead, &views->v));
+  }
   FLASHMSA_RETURN_IF_ERROR(check_tensor(params.q_proxy, prefix + "q_proxy", shape,
                                         shape.num_proxy_heads, proxy_dim, dtype, Access::kRead,
                                         &views->q_proxy));
@@ -398,11 +403,16 @@ Status check_forward_fields(const ForwardParams& params, const std::string& pref
     FLASHMSA_RETURN_IF_ERROR(check_array(params.schedule, prefix + "schedule", schedule_bytes,
                                          kTensorAlignBytes, Presence::kRequired, &views->schedule));
   }
-  FLASHMSA_RETURN_IF_ERROR(check_tensor(params.out, prefix + "out", shape, shape.num_heads, dim,
-                                        dtype, out_access, &views->out));
+  if (main_branch) {
+    FLASHMSA_RETURN_IF_ERROR(check_tensor(params.out, prefix + "out", shape, shape.num_heads, dim,
+                                          dtype, out_access, &views->out));
+  }
   const int64_t rows = shape.batch * shape.seqlen;
-  FLASHMSA_RETURN_IF_ERROR(check_array(params.lse, prefix + "lse", rows * shape.num_heads * 4,
-                                       kScalarAlignBytes, Presence::kRequired, &views->lse));
+  // Without the main branch the forward does not write lse; the backward still reads it.
+  if (main_branch || out_access == Access::kRead) {
+    FLASHMSA_RETURN_IF_ERROR(check_array(params.lse, prefix + "lse", rows * shape.num_heads * 4,
+                                         kScalarAlignBytes, Presence::kRequired, &views->lse));
+  }
   FLASHMSA_RETURN_IF_ERROR(check_array(params.proxy_lse, prefix + "proxy_lse",
                                        rows * shape.num_proxy_heads * 4, kScalarAlignBytes,
                                        Presence::kRequired, &views->proxy_lse));
@@ -474,18 +484,23 @@ Status validate(const BackwardParams& params) {
   const int64_t proxy_dim = shape.proxy_head_dim;
   const DType dtype = fwd.dtype;
   Footprint dout, kl, kl_grad, dq, dk, dv, dq_proxy, dk_proxy, workspace;
-  FLASHMSA_RETURN_IF_ERROR(
-      check_tensor(params.dout, "dout", shape, shape.num_heads, dim, dtype, Access::kRead, &dout));
+  const bool main_branch = fwd.main_branch;
+  if (main_branch) {
+    FLASHMSA_RETURN_IF_ERROR(
+        check_tensor(params.dout, "dout", shape, shape.num_heads, dim, dtype, Access::kRead, &dout));
+  }
   FLASHMSA_RETURN_IF_ERROR(
       check_array(fwd.kl, "fwd.kl", 4, kScalarAlignBytes, Presence::kOptional, &kl));
   FLASHMSA_RETURN_IF_ERROR(
       check_array(params.kl_grad, "kl_grad", 4, kScalarAlignBytes, Presence::kOptional, &kl_grad));
-  FLASHMSA_RETURN_IF_ERROR(
-      check_tensor(params.dq, "dq", shape, shape.num_heads, dim, dtype, Access::kWrite, &dq));
-  FLASHMSA_RETURN_IF_ERROR(
-      check_tensor(params.dk, "dk", shape, shape.num_kv_heads, dim, dtype, Access::kWrite, &dk));
-  FLASHMSA_RETURN_IF_ERROR(
-      check_tensor(params.dv, "dv", shape, shape.num_kv_heads, dim, dtype, Access::kWrite, &dv));
+  if (main_branch) {
+    FLASHMSA_RETURN_IF_ERROR(
+        check_tensor(params.dq, "dq", shape, shape.num_heads, dim, dtype, Access::kWrite, &dq));
+    FLASHMSA_RETURN_IF_ERROR(
+        check_tensor(params.dk, "dk", shape, shape.num_kv_heads, dim, dtype, Access::kWrite, &dk));
+    FLASHMSA_RETURN_IF_ERROR(
+        check_tensor(params.dv, "dv", shape, shape.num_kv_heads, dim, dtype, Access::kWrite, &dv));
+  }
   FLASHMSA_RETURN_IF_ERROR(check_tensor(params.dq_proxy, "dq_proxy", shape, shape.num_proxy_heads,
                                         proxy_dim, dtype, Access::kWrite, &dq_proxy));
   FLASHMSA_RETURN_IF_ERROR(check_tensor(params.dk_proxy, "dk_proxy", shape,

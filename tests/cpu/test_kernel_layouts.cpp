@@ -100,6 +100,38 @@ TEST(PipelinedBackwardLayout, DqStagingIsTokenMajorWithoutOverlapOrBankConflicts
   }
 }
 
+// The KL-only dense schedule visits every (token, visible block) pair of every (b, p) exactly once,
+// in list order, lists of one token chunk and one block.
+TEST(DenseKlSchedule, CoversEveryVisiblePairOnce) {
+  namespace bw = kernels::backward;
+  for (int64_t seqlen : {1, 127, 128, 129, 1000, 1024, 1025, 1500, 2048, 5000}) {
+    const int64_t blocks = (seqlen + 127) / 128;
+    const int64_t per_bh = bw::dense_lists_per_bh(seqlen);
+    const int64_t chunks = bw::dense_chunks(seqlen);
+    constexpr int64_t kBh = 3;
+    std::vector<int> seen(size_t(kBh * seqlen * blocks), 0);
+    for (int64_t list = 0; list < kBh * per_bh; ++list) {
+      const bw::DenseListPosition at = bw::dense_list_position(list, per_bh, chunks, seqlen);
+      ASSERT_EQ(at.bh, list / per_bh) << "S = " << seqlen << ", list " << list;
+      ASSERT_GT(at.count, 0) << "S = " << seqlen << ", list " << list;
+      ASSERT_GE(at.first_token, at.block * 128) << "S = " << seqlen << ", list " << list;
+      ASSERT_EQ(at.first_token / bw::kDenseChunkTokens, (at.first_token + at.count - 1) / bw::kDenseChunkTokens)
+          << "a list stays inside one token chunk";
+      for (int token = at.first_token; token < at.first_token + at.count; ++token) {
+        ++seen[size_t((at.bh * seqlen + token) * blocks + at.block)];
+      }
+    }
+    for (int64_t bh = 0; bh < kBh; ++bh) {
+      for (int64_t token = 0; token < seqlen; ++token) {
+        for (int64_t block = 0; block < blocks; ++block) {
+          EXPECT_EQ(seen[size_t((bh * seqlen + token) * blocks + block)], block * 128 <= token ? 1 : 0)
+              << "S = " << seqlen << ", token " << token << ", block " << block;
+        }
+      }
+    }
+  }
+}
+
 TEST(PipelinedBackwardLayout, ServesPowerOfTwoHeadMapsInNonDeterministicMode) {
   for (int m = 1; m <= 16; ++m) {
     const bool power_of_two = m == 2 || m == 4 || m == 8 || m == 16;

@@ -325,6 +325,27 @@ TEST(ValidParams, WarmupNeedsNoSelection) {
   EXPECT_TRUE(validate(backward).ok()) << validate(backward).message;
 }
 
+// Warmup with the main branch elsewhere: the tensors of the main branch are not read or written.
+TEST(ValidParams, WarmupWithoutMainBranchNeedsNoMainTensors) {
+  Problem& p = problem(kPaper);
+  ForwardParams forward = p.forward_params(Mode::kWarmup);
+  forward.main_branch = false;
+  forward.v = {};
+  forward.out = {};
+  forward.lse = nullptr;
+  EXPECT_TRUE(validate(forward).ok()) << validate(forward).message;
+
+  BackwardParams backward = p.backward_params(Mode::kWarmup);
+  backward.fwd.main_branch = false;
+  backward.fwd.v = {};
+  backward.fwd.out = {};
+  backward.dout = {};
+  backward.dq = {};
+  backward.dk = {};
+  backward.dv = {};
+  EXPECT_TRUE(validate(backward).ok()) << validate(backward).message;
+}
+
 TEST(ValidParams, OptionalScalarsMayBeNull) {
   Problem& p = problem(kPaper);
   ForwardParams forward = p.forward_params();
@@ -651,6 +672,16 @@ const std::vector<BadCase> kBadCases = {
     {"backward_fwd_kl_misaligned",
      on_backward([](BackwardParams& p) { p.fwd.kl = static_cast<float*>(offset_bytes(p.fwd.kl, 2)); }),
      kInvalid, "fwd.kl", "aligned"},
+    {"forward_main_branch_off_in_sparse_mode", on_forward([](ForwardParams& p) { p.main_branch = false; }),
+     kInvalid, "main_branch", "warmup"},
+    {"backward_main_branch_off_in_sparse_mode",
+     on_backward([](BackwardParams& p) { p.fwd.main_branch = false; }), kInvalid, "fwd.main_branch", "warmup"},
+    {"backward_without_main_branch_needs_lse", on_backward([](BackwardParams& p) {
+       p.fwd.mode = Mode::kWarmup;
+       p.fwd.main_branch = false;
+       p.fwd.lse = nullptr;
+     }),
+     kInvalid, "fwd.lse", "null"},
     {"backward_fwd_kl_inside_dout", on_backward([](BackwardParams& p) {
        p.fwd.kl = static_cast<float*>(p.dout.ptr);
      }),

@@ -312,22 +312,62 @@ void check_case(const WarmupCase& c, uint64_t seed) {
   grad_rule("dq", g.dq, exact.dq, rounded.dq, 1e-5);
   grad_rule("dk", g.dk, exact.dk, rounded.dk, 1e-5);
   grad_rule("dv", g.dv, exact.dv, rounded.dv, 1e-5);
-  if (c.with_kl_grad) {
-    grad_rule("dq_proxy", g.dq_proxy, exact.dq_proxy, rounded.dq_proxy, 1e-5 * proxy_scale);
-    grad_rule("dk_proxy", g.dk_proxy, exact.dk_proxy, rounded.dk_proxy, 1e-5 * proxy_scale);
-  } else {
-    EXPECT_EQ(host_tensors::count_nan(g.dq_proxy), 0) << "dq_proxy has unwritten (NaN) elements";
-    EXPECT_EQ(host_tensors::count_nan(g.dk_proxy), 0) << "dk_proxy has unwritten (NaN) elements";
-    EXPECT_EQ(host_tensors::max_abs(g.dq_proxy), 0.0) << "dq_proxy must be zero without kl_grad";
-    EXPECT_EQ(host_tensors::max_abs(g.dk_proxy), 0.0) << "dk_proxy must be zero without kl_grad";
-  }
-  if (c.with_kl_value) {
-    const testing::ErrorReport report = testing::fa3_rule({g.kl}, {exact_forward.kl}, {rounded_forward.kl},
-                                                          1e-6 * std::fabs(exact_forward.kl) + 1e-6);
-    EXPECT_TRUE(report.ok) << report.describe("kl") << " (kernel " << g.kl << ", fp64 " << exact_forward.kl << ")";
-  } else {
-    EXPECT_TRUE(std::isnan(g.kl)) << "fwd.kl is null: the poisoned scalar must stay untouched";
-  }
+  // The KL outputs, from the full backward and again from the KL-only one.
+  auto check_kl_outputs = [&](const KernelGradients& got, const std::string& tag) {
+    if (c.with_kl_grad) {
+      grad_rule(("dq_proxy" + tag).c_str(), got.dq_proxy, exact.dq_proxy, rounded.dq_proxy, 1e-5 * proxy_scale);
+      grad_rule(("dk_proxy" + tag).c_str(), got.dk_proxy, exact.dk_proxy, rounded.dk_proxy, 1e-5 * proxy_scale);
+    } else {
+      EXPECT_EQ(host_tensors::count_nan(got.dq_proxy), 0) << "dq_proxy" << tag << " has unwritten (NaN) elements";
+      EXPECT_EQ(host_tensors::count_nan(got.dk_proxy), 0) << "dk_proxy" << tag << " has unwritten (NaN) elements";
+      EXPECT_EQ(host_tensors::max_abs(got.dq_proxy), 0.0) << "dq_proxy" << tag << " must be zero without kl_grad";
+      EXPECT_EQ(host_tensors::max_abs(got.dk_proxy), 0.0) << "dk_proxy" << tag << " must be zero without kl_grad";
+    }
+    if (c.with_kl_value) {
+      const testing::ErrorReport report = testing::fa3_rule({got.kl}, {exact_forward.kl}, {rounded_forward.kl},
+                                                            1e-6 * std::fabs(exact_forward.kl) + 1e-6);
+      EXPECT_TRUE(report.ok) << report.describe("kl" + tag) << " (kernel " << got.kl << ", fp64 " << exact_forward.kl
+                             << ")";
+    } else {
+      EXPECT_TRUE(std::isnan(got.kl)) << "fwd.kl is null: the poisoned scalar must stay untouched" << tag;
+    }
+  };
+  check_kl_outputs(g, "");
+
+  // ---- main branch elsewhere (fwd.main_branch = false): proxy LSE, then the KL-only backward ----
+  const int m = s.heads_per_proxy();
+  if (m != 2 && m != 4 && m != 8 && m != 16) return;
+  ForwardParams proxy_only = d.forward;
+  proxy_only.main_branch = false;
+  proxy_only.v = {};
+  proxy_only.out = {};
+  proxy_only.lse = nullptr;
+  DeviceBuffer<float> proxy_lse_only = poisoned_floats(size_t(s.batch * s.seqlen * s.num_proxy_heads));
+  proxy_only.proxy_lse = proxy_lse_only.get();
+  const Status proxy_status = forward(proxy_only, nullptr);
+  ASSERT_TRUE(proxy_status.ok()) << proxy_status.message;
+  FLASHMSA_CUDA_CHECK(cudaDeviceSynchronize());
+  expect_rule("proxy_lse (main_branch = false)", testing::download_float(proxy_lse_only), exact_forward.proxy_lse,
+              rounded_forward.proxy_lse, 1e-4, row_mask(s, rows, s.num_proxy_heads, 1, true));
+
+  d.dq_proxy = host_tensors::output_tensor(s, s.num_proxy_heads, 128, c.bhsd);
+  d.dk_proxy = host_tensors::output_tensor(s, s.num_proxy_kv_heads, 128, c.bhsd);
+  d.kl = poisoned_floats(1);
+  BackwardParams kl_only = d.backward;
+  kl_only.fwd.main_branch = false;
+  kl_only.fwd.v = {};
+  kl_only.fwd.out = {};
+  kl_only.fwd.kl = c.with_kl_value ? d.kl.get() : nullptr;
+  kl_only.dout = {};
+  kl_only.dq = {};
+  kl_only.dk = {};
+  kl_only.dv = {};
+  kl_only.dq_proxy = d.dq_proxy.ref;
+  kl_only.dk_proxy = d.dk_proxy.ref;
+  const Status kl_status = backward(kl_only, nullptr);
+  ASSERT_TRUE(kl_status.ok()) << kl_status.message;
+  FLASHMSA_CUDA_CHECK(cudaDeviceSynchronize());
+  check_kl_outputs(download_gradients(c, d), " (main_branch = false)");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -361,6 +401,11 @@ std::vector<WarmupCase> named_cases() {
   long_case.sample = 12;
   long_case.with_kl_value = false;
   list.push_back(long_case);
+  // Three token chunks of the KL-only dense schedule (1024 tokens each), M = 8.
+  WarmupCase chunks_case{"m8_h16_hkv2_hp2_s2200_sampled", 1, 2200, 16, 2, 2, 1, kFP16};
+  chunks_case.sample = 12;
+  chunks_case.with_kl_value = false;
+  list.push_back(chunks_case);
   return list;
 }
 

@@ -63,6 +63,29 @@ def test_forward_backward_match_eager(config, mode, dtype):
         assert relative_error(actual, expected.grad) < max(2e-2, 2 * storage_error + 1e-2), name
 
 
+@pytest.mark.parametrize("config", ["paper", "specialized"])
+def test_warmup_main_on_cudnn_agrees_with_own_kernels(config, monkeypatch):
+    """Warmup's default route (cuDNN main branch + flashmsa's proxy LSE and KL-only backward) and
+    FLASHMSA_WARMUP_MAIN=flashmsa (flashmsa's dense kernels throughout) compute the same thing."""
+    inputs = cuda_inputs(config, seqlen=1000, requires_grad=True)
+    dout = torch.randn(inputs[0].shape, device="cuda", dtype=torch.bfloat16)
+    results = {}
+    for route in ("cudnn", "flashmsa"):
+        monkeypatch.setenv("FLASHMSA_WARMUP_MAIN", route)
+        for tensor in inputs:
+            tensor.grad = None
+        sink = flashmsa.new_kl_sink("cuda")
+        with kernels_or_skip():
+            out, kl = flashmsa.msa_attention(*inputs, TOP_K, mode="warmup", kl_sink=sink)
+            ((out * dout).float().sum() + 0.5 * kl).backward()
+        results[route] = (out.detach(), sink.grad.clone(), [t.grad.clone() for t in inputs])
+    (out_a, kl_a, grads_a), (out_b, kl_b, grads_b) = results["cudnn"], results["flashmsa"]
+    assert relative_error(out_a, out_b) < 1e-2
+    assert abs(kl_a.item() - kl_b.item()) <= 1e-3 * abs(kl_b.item()) + 1e-6
+    for name, a, b in zip(("dq", "dk", "dv", "dq_proxy", "dk_proxy"), grads_a, grads_b):
+        assert relative_error(a, b) < 2e-2, name
+
+
 def test_head_major_and_flash_msa_func():
     inputs = cuda_inputs("seed", head_major=True)
     q, k, v, q_proxy, k_proxy = (t.transpose(1, 2) for t in inputs)  # [B, heads, S, D]
@@ -88,13 +111,14 @@ def test_deterministic_backward_is_bitwise_repeatable():
         assert torch.equal(first, second)
 
 
-def test_cuda_graph_captures_a_full_step():
+@pytest.mark.parametrize("mode", ["sparse", "warmup"])
+def test_cuda_graph_captures_a_full_step(mode):
     static = cuda_inputs("seed", requires_grad=True)
     dout = torch.randn(static[0].shape, device="cuda", dtype=torch.bfloat16)
     sink = flashmsa.new_kl_sink("cuda")
 
     def step():
-        out, kl = flashmsa.msa_attention(*static, TOP_K, kl_sink=sink)
+        out, kl = flashmsa.msa_attention(*static, TOP_K, mode=mode, kl_sink=sink)
         loss = (out * dout).float().sum() + kl
         return (out, *torch.autograd.grad(loss, [*static, sink]))
 

@@ -123,6 +123,46 @@ constexpr int proxy_row_of_token(int t, int m) {
   return 8 * (c / 2) + 2 * (t / step_tokens_per_quad(m)) + c % 2;
 }
 
+// The KL-only dense schedule (pipelined_kernel.cuh, kKlOnly). Per (b, p) the tokens are cut into
+// chunks of kDenseChunkTokens; a list is (token chunk j, visible block c) with the tokens of j at or
+// after c's first key, in the order (b, p, j, c). A full chunk j sees blocks 0 … 8j + 7, the last
+// chunk every block.
+constexpr int kDenseChunkBlocks = 8;
+constexpr int kDenseChunkTokens = kDenseChunkBlocks * kBlockSize;
+constexpr int64_t dense_lists_before(int64_t j) { return kDenseChunkBlocks * j * (j + 1) / 2; }
+constexpr int64_t dense_chunks(int64_t seqlen) { return (seqlen + kDenseChunkTokens - 1) / kDenseChunkTokens; }
+constexpr int64_t dense_lists_per_bh(int64_t seqlen) {
+  return dense_lists_before(dense_chunks(seqlen) - 1) + (seqlen + kBlockSize - 1) / kBlockSize;
+}
+struct DenseListPosition {
+  int64_t bh;  // b·Hp + p
+  int chunk, block, first_token, count;
+};
+// List `list` of the order above (lists_per_bh, chunks from the two functions above).
+constexpr DenseListPosition dense_list_position(int64_t list, int64_t lists_per_bh, int64_t chunks, int64_t seqlen) {
+  DenseListPosition at{};
+  at.bh = list / lists_per_bh;
+  const int64_t r = list - at.bh * lists_per_bh;
+  int64_t lo = 0;  // the largest chunk j with dense_lists_before(j) ≤ r
+  int64_t hi = chunks - 1;
+  while (lo < hi) {
+    const int64_t mid = (lo + hi + 1) / 2;
+    if (dense_lists_before(mid) <= r) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  at.chunk = int(lo);
+  at.block = int(r - dense_lists_before(lo));
+  const int64_t chunk_first = lo * kDenseChunkTokens;
+  const int64_t block_first = int64_t(at.block) * kBlockSize;
+  at.first_token = int(chunk_first > block_first ? chunk_first : block_first);
+  const int64_t chunk_end = chunk_first + kDenseChunkTokens < seqlen ? chunk_first + kDenseChunkTokens : seqlen;
+  at.count = int(chunk_end - at.first_token);
+  return at;
+}
+
 // A stage's bytes: Q and dO (64 rows each) and the q_proxy rows, 16-bit, 128-byte swizzle.
 constexpr uint32_t kPipelinedStageBytes = (2 * kStepRows + kProxyRowsPerStage) * kHeadDim * 2;
 // dQ staging inside a consumed stage: the step's 64 rows in fp32, whole 512-byte rows (both consumer

@@ -42,6 +42,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 
@@ -82,6 +83,10 @@ struct PipelinedArgs {
   float* dq_proxy_accum;  // [b, s, hp, di]
   float* dk_proxy_accum;  // [b, s, hp, di]
   float* kl_partial;      // [b, hp, s, k]
+  float* kl_rows;         // [b, hp, s]: per-token KL terms (KL-only dense mode)
+  int64_t dense_lists;    // KL-only dense mode: lists of every (b, p), and of one
+  int64_t dense_lists_per_bh;
+  int dense_chunks;       // token chunks of kDenseChunkTokens
   int seqlen, num_blocks, batch;
   int num_heads, num_kv_heads, num_proxy_heads, proxy_heads_per_kv, proxy_ratio, top_k;
   float scale_log2, proxy_scale_log2;
@@ -89,7 +94,33 @@ struct PipelinedArgs {
   int with_kl_grad;  // dq_proxy, dk_proxy
 };
 
-template <typename Element, int kM>
+// ---------------------------------------------------------------------------------------------
+// The KL-only dense schedule (warmup mode with the main branch elsewhere, e.g. cuDNN; the order of
+// its lists in config.h). List L runs on CTA L % grid, so at any time the CTAs work on neighbouring
+// lists of one token chunk and read its Q rows (M heads × 1024 tokens, 4 MB at M = 16) from L2.
+// ---------------------------------------------------------------------------------------------
+struct DenseList {
+  ListKey key;
+  int first_token, count;
+};
+
+template <typename Args>
+__device__ __forceinline__ DenseList dense_list(int64_t list, const Args& args) {
+  const DenseListPosition at = dense_list_position(list, args.dense_lists_per_bh, args.dense_chunks, args.seqlen);
+  DenseList out;
+  out.key.b = int(at.bh / args.num_proxy_heads);
+  out.key.proxy_head = int(at.bh % args.num_proxy_heads);
+  out.key.kv_head = out.key.proxy_head / args.proxy_heads_per_kv;
+  out.key.block = at.block;
+  out.key.unit = uint32_t(list);
+  out.first_token = at.first_token;
+  out.count = at.count;
+  return out;
+}
+
+// kKlOnly: the KL-only dense mode. Only Sᵀ (for the teacher), the proxy scores, g, the KL terms and
+// the proxy gradients run; no dO, V, Δ, dQ, dK or dV.
+template <typename Element, int kM, bool kKlOnly>
 __global__ void __launch_bounds__(kPipelinedThreads, 1)
     backward_pipelined(const PipelinedArgs<Element> args, const PipelinedLayout layout) {
   constexpr int kT = step_tokens_per_quad(kM);
@@ -143,11 +174,21 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
   }
   __syncthreads();
 
-  const uint32_t* entries = args.header[0] == 1 ? args.entries[1] : args.entries[0];
-  const uint32_t begin = args.tile_offsets[0];
-  const uint32_t total = args.tile_offsets[args.num_keys] - begin;
-  const uint32_t lo = begin + uint32_t(uint64_t(total) * blockIdx.x / gridDim.x);
-  const int num_tiles = int(begin + uint32_t(uint64_t(total) * (blockIdx.x + 1) / gridDim.x) - lo);
+  const uint32_t* entries = nullptr;
+  uint32_t lo = 0;
+  int num_tiles = 0;
+  if constexpr (kKlOnly) {
+    // A "tile" is one whole list of the dense schedule: lists blockIdx.x + t·gridDim.x.
+    num_tiles = args.dense_lists > int64_t(blockIdx.x)
+                    ? int((args.dense_lists - 1 - int64_t(blockIdx.x)) / gridDim.x + 1)
+                    : 0;
+  } else {
+    entries = args.header[0] == 1 ? args.entries[1] : args.entries[0];
+    const uint32_t begin = args.tile_offsets[0];
+    const uint32_t total = args.tile_offsets[args.num_keys] - begin;
+    lo = begin + uint32_t(uint64_t(total) * blockIdx.x / gridDim.x);
+    num_tiles = int(begin + uint32_t(uint64_t(total) * (blockIdx.x + 1) / gridDim.x) - lo);
+  }
   const int warpgroup = threadIdx.x / 128;
 
   if (warpgroup == 0) {
@@ -170,21 +211,44 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
     // is free and stored after the gathers are issued.
     auto load_entries = [&](const uint4& at_tile, int k, uint32_t* token_entry, uint32_t* row_entry) {
       const int count = min(kStepTokens, int(at_tile.z) - k * kStepTokens);
-      const uint32_t* base = entries + at_tile.y + k * kStepTokens;
-      *token_entry = thread < count ? base[thread] : 0xffffffffu;
       const int local = thread < kStepRows ? row_token[thread] : kStepTokens;
-      *row_entry = local < count ? base[local] : 0xffffffffu;
+      if constexpr (kKlOnly) {
+        // Dense lists hold consecutive tokens from at_tile.y, all in slot 0.
+        const uint32_t base = at_tile.y + uint32_t(k * kStepTokens);
+        *token_entry = thread < count ? (base + uint32_t(thread)) << schedule::kSlotBits : 0xffffffffu;
+        *row_entry = local < count ? (base + uint32_t(local)) << schedule::kSlotBits : 0xffffffffu;
+      } else {
+        const uint32_t* base = entries + at_tile.y + k * kStepTokens;
+        *token_entry = thread < count ? base[thread] : 0xffffffffu;
+        *row_entry = local < count ? base[local] : 0xffffffffu;
+      }
+    };
+    // Tile t of this CTA: (list key, first entry, tokens); a dense list as (list, first token, tokens).
+    auto tile_at = [&](int t) {
+      if constexpr (kKlOnly) {
+        const int64_t list = int64_t(blockIdx.x) + int64_t(t) * gridDim.x;
+        const DenseList dense = dense_list(list, args);
+        return make_uint4(uint32_t(list), uint32_t(dense.first_token), uint32_t(dense.count), 0u);
+      } else {
+        return args.tiles[lo + t];
+      }
     };
     int step = 0;
-    uint4 tile = num_tiles > 0 ? args.tiles[lo] : make_uint4(0, 0, 0, 0);
+    uint4 tile = num_tiles > 0 ? tile_at(0) : make_uint4(0, 0, 0, 0);
     uint32_t token_entry = 0xffffffffu;
     uint32_t row_entry = 0xffffffffu;
     if (num_tiles > 0) load_entries(tile, 0, &token_entry, &row_entry);
     ListKey key{};  // decoded once per list
     for (int t = 0; t < num_tiles; ++t) {
-      const uint4 next_tile = t + 1 < num_tiles ? args.tiles[lo + t + 1] : make_uint4(0xffffffffu, 0, 0, 0);
+      const uint4 next_tile = t + 1 < num_tiles ? tile_at(t + 1) : make_uint4(0xffffffffu, 0, 0, 0);
       const uint32_t key_value = tile.x;
-      if (key_value != last_key) key = decode_list_key(key_value, args);
+      if (key_value != last_key) {
+        if constexpr (kKlOnly) {
+          key = dense_list(int64_t(blockIdx.x) + int64_t(t) * gridDim.x, args).key;
+        } else {
+          key = decode_list_key(key_value, args);
+        }
+      }
       const int first_key = key.block * kBlockSize;
       const int tile_count = int(tile.z);
       const int steps = (tile_count + kStepTokens - 1) / kStepTokens;
@@ -204,7 +268,7 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
           const int64_t at =
               (int64_t(key.b) * args.num_heads + key.proxy_head * kM + row_head[thread]) * args.seqlen + row_token_pos;
           lse = args.lse[at];
-          delta = args.delta[at];
+          if constexpr (!kKlOnly) delta = args.delta[at];
         }
         // The previous step is released as soon as its copies land, before this step waits for its
         // stage: with two stages, waiting for the stage first would make the consumers wait for this
@@ -241,7 +305,9 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
         ptx::named_barrier_sync(1, kPipelinedProducerThreads);
         if (new_list) {
           load_key_block<2>(k_tile, args.k, key.b, first_key, key.kv_head, args.seqlen, thread);
-          load_key_block<2>(v_tile, args.v, key.b, first_key, key.kv_head, args.seqlen, thread);
+          if constexpr (!kKlOnly) {
+            load_key_block<2>(v_tile, args.v, key.b, first_key, key.kv_head, args.seqlen, thread);
+          }
           if (args.with_kl) {
             load_key_block<2>(kp_tile, args.k_proxy, key.b, first_key, key.proxy_head / args.proxy_ratio, args.seqlen,
                        thread);
@@ -268,7 +334,7 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
             const Element* q_src = q_head + token * args.q.seq_stride + head_offset * args.q.head_stride;
             const Element* do_src = do_head + token * args.dout.seq_stride + head_offset * args.dout.head_stride;
             ptx::cp_async_16(q_dst + i * 8 * 64, q_src, valid);
-            ptx::cp_async_16(do_dst + i * 8 * 64, do_src, valid);
+            if constexpr (!kKlOnly) ptx::cp_async_16(do_dst + i * 8 * 64, do_src, valid);
           }
         }
         if (args.with_kl) {
@@ -382,7 +448,7 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
     float proxy[kProxyCols / 2];
     ptx::wgmma_fence();
     key_gemm(score, k_tile, q_tile, kStepRows);
-    key_gemm(dprob, v_tile, do_tile, kStepRows);
+    if constexpr (!kKlOnly) key_gemm(dprob, v_tile, do_tile, kStepRows);
     ptx::wgmma_commit_group();
     if (args.with_kl) {
       key_gemm(proxy, kp_tile, qp_tile, kProxyRowsPerStage);
@@ -390,7 +456,7 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
     }
     ptx::wgmma_wait_group<0>();
     ptx::fence_accumulators(score);
-    ptx::fence_accumulators(dprob);
+    if constexpr (!kKlOnly) ptx::fence_accumulators(dprob);
 
     // ---- P = exp(S σ − LSE) on j ≤ i, dS = P (dP − Δ), the teacher sums ----------------------------
     // Element 4j + 2h + e: block row key_row0 + 8h, step row (column) 8j + 2·quad + e.
@@ -441,38 +507,44 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
         }
       }
     }
-    uint32_t p_frag[4][4];
-    uint32_t ds_frag[4][4];
+    if constexpr (!kKlOnly) {
+      uint32_t p_frag[4][4];
+      uint32_t ds_frag[4][4];
 #pragma unroll
-    for (int k_step = 0; k_step < 4; ++k_step) {
+      for (int k_step = 0; k_step < 4; ++k_step) {
 #pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        p_frag[k_step][r] = ptx::pack2<Element>(score[8 * k_step + 2 * r], score[8 * k_step + 2 * r + 1]);
-        ds_frag[k_step][r] = ptx::pack2<Element>(dprob[8 * k_step + 2 * r], dprob[8 * k_step + 2 * r + 1]);
+        for (int r = 0; r < 4; ++r) {
+          p_frag[k_step][r] = ptx::pack2<Element>(score[8 * k_step + 2 * r], score[8 * k_step + 2 * r + 1]);
+          ds_frag[k_step][r] = ptx::pack2<Element>(dprob[8 * k_step + 2 * r], dprob[8 * k_step + 2 * r + 1]);
+        }
       }
-    }
 
-    // ---- dV += Pᵀ·dO, dK += dSᵀ·Q (async; dO, Q MN-major) --------------------------------------------
-    ptx::wgmma_fence();
+      // ---- dV += Pᵀ·dO, dK += dSᵀ·Q (async; dO, Q MN-major) --------------------------------------------
+      ptx::wgmma_fence();
 #pragma unroll
-    for (int k_step = 0; k_step < 4; ++k_step) {
-      const uint64_t desc_do = ptx::make_sw128_mnmajor_desc(do_tile + k_step * 16 * 64, kStepRows * 128);
-      Mma128::template run<1>(dv, p_frag[k_step], desc_do, 1u);
-    }
+      for (int k_step = 0; k_step < 4; ++k_step) {
+        const uint64_t desc_do = ptx::make_sw128_mnmajor_desc(do_tile + k_step * 16 * 64, kStepRows * 128);
+        Mma128::template run<1>(dv, p_frag[k_step], desc_do, 1u);
+      }
 #pragma unroll
-    for (int k_step = 0; k_step < 4; ++k_step) {
-      const uint64_t desc_q = ptx::make_sw128_mnmajor_desc(q_tile + k_step * 16 * 64, kStepRows * 128);
-      Mma128::template run<1>(dk, ds_frag[k_step], desc_q, 1u);
-    }
-    ptx::wgmma_commit_group();
+      for (int k_step = 0; k_step < 4; ++k_step) {
+        const uint64_t desc_q = ptx::make_sw128_mnmajor_desc(q_tile + k_step * 16 * 64, kStepRows * 128);
+        Mma128::template run<1>(dk, ds_frag[k_step], desc_q, 1u);
+      }
+      ptx::wgmma_commit_group();
 
-    // ---- dS to shared memory as (row, key), transposed by stmatrix: lane 8i + j stores step row
-    // 16·k_step + 8·(i / 2) + j, keys 8·(i % 2) … of this warp's 16 -------------------------------------
-    // Both warpgroups finished the previous step first: its dQ and proxy GEMMs read dS, g, the staged
-    // q_proxy rows and the KL partials that this step overwrites.
-    if (step > 0) ptx::named_barrier_sync(kStepBarrier, 256);
+      // ---- dS to shared memory as (row, key), transposed by stmatrix: lane 8i + j stores step row
+      // 16·k_step + 8·(i / 2) + j, keys 8·(i % 2) … of this warp's 16 -------------------------------------
+      // Both warpgroups finished the previous step first: its dQ and proxy GEMMs read dS, g, the staged
+      // q_proxy rows and the KL partials that this step overwrites.
+      if (step > 0) ptx::named_barrier_sync(kStepBarrier, 256);
 #pragma unroll
-    for (int k_step = 0; k_step < 4; ++k_step) ptx::stmatrix_x4_trans(ds_address + k_step * 16 * 128, ds_frag[k_step]);
+      for (int k_step = 0; k_step < 4; ++k_step) ptx::stmatrix_x4_trans(ds_address + k_step * 16 * 128, ds_frag[k_step]);
+    } else {
+      // Both warpgroups finished the previous step first: its proxy GEMMs read g, the staged q_proxy
+      // rows and the KL partials that this step overwrites.
+      if (step > 0) ptx::named_barrier_sync(kStepBarrier, 256);
+    }
 
     // ---- KL: π, g = π − t, the KL terms; g and the q_proxy rows staged --------------------------------
     if (args.with_kl) {
@@ -528,56 +600,72 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
     // dQ accumulators, and after the barrier neither warpgroup reads this step's Q or dO again, so
     // the stage can take the dQ staging.
     ptx::wgmma_wait_group<0>();
-    ptx::fence_accumulators(dk);
-    ptx::fence_accumulators(dv);
+    if constexpr (!kKlOnly) {
+      ptx::fence_accumulators(dk);
+      ptx::fence_accumulators(dv);
+    }
     ptx::fence_proxy_async_shared();  // dS, g and the staged rows are wgmma operands
     ptx::named_barrier_sync(kMidBarrier, 256);
-
-    // ---- dQ = dS·K: this warpgroup's 64 dims, K MN-major ----------------------------------------------
-    float dq[32];
-    ptx::wgmma_fence();
+    if constexpr (!kKlOnly) {
+      // ---- dQ = dS·K: this warpgroup's 64 dims, K MN-major ----------------------------------------------
+      float dq[32];
+      ptx::wgmma_fence();
 #pragma unroll
-    for (int k_step = 0; k_step < kKeys / 16; ++k_step) {
-      const int half = k_step / 4;
-      const uint64_t desc_ds = ptx::advance_desc(
-          ptx::make_sw128_kmajor_desc(ds_tile + half * kStepRows * 64), (k_step % 4) * 32);
-      const uint64_t desc_k =
-          ptx::make_sw128_mnmajor_desc(k_tile + consumer * kKeys * 64 + k_step * 16 * 64, kKeys * 128);
-      ptx::WgmmaSS<Element, 64, 0, 1>::run(dq, desc_ds, desc_k, k_step > 0 ? 1u : 0u);
-    }
-    ptx::wgmma_commit_group();
-    if (args.with_kl && consumer == 0 && wg_thread < count) {
+      for (int k_step = 0; k_step < kKeys / 16; ++k_step) {
+        const int half = k_step / 4;
+        const uint64_t desc_ds = ptx::advance_desc(
+            ptx::make_sw128_kmajor_desc(ds_tile + half * kStepRows * 64), (k_step % 4) * 32);
+        const uint64_t desc_k =
+            ptx::make_sw128_mnmajor_desc(k_tile + consumer * kKeys * 64 + k_step * 16 * 64, kKeys * 128);
+        ptx::WgmmaSS<Element, 64, 0, 1>::run(dq, desc_ds, desc_k, k_step > 0 ? 1u : 0u);
+      }
+      ptx::wgmma_commit_group();
+      if (args.with_kl && consumer == 0 && wg_thread < count) {
+        float sum = 0.f;
+#pragma unroll
+        for (int w = 0; w < 8; ++w) sum += kl_parts[w * kMaxStepTokens + wg_thread];
+        args.kl_partial[((int64_t(key.b) * args.num_proxy_heads + key.proxy_head) * args.seqlen + m.token[wg_thread]) *
+                            args.top_k + m.slot[wg_thread]] = sum;
+      }
+      ptx::wgmma_wait_group<0>();
+      ptx::fence_accumulators(dq);
+      // dQ through the consumed stage: both warpgroups store their 64 dims of every row into the
+      // token-major staging (dq_stage_row_offset), then token t is reduce-added, M × 512 contiguous
+      // bytes, by lane t / 8 of consumer warp t % 8. The stage is released once those reads are done.
+      unsigned char* dq_stage = reinterpret_cast<unsigned char*>(q_stages + s * kStageElements);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float* row = reinterpret_cast<float*>(dq_stage + dq_row_offset[h]) + consumer * 64 + 2 * quad;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          *reinterpret_cast<float2*>(row + 8 * j) = make_float2(dq[4 * j + 2 * h], dq[4 * j + 2 * h + 1]);
+        }
+      }
+      ptx::fence_proxy_async_shared();
+      ptx::named_barrier_sync(kDqBarrier, 256);
+      if (lane < kDqIssueLanes) {
+        const int local = (consumer * 4 + warp) + 8 * lane;
+        if (local < count) {
+          float* rows = args.dq_accum +
+                        ((int64_t(key.b) * args.seqlen + m.token[local]) * args.num_heads + key.proxy_head * kM) * kHeadDim;
+          ptx::bulk_reduce_add_f32(rows, dq_stage + dq_stage_token_offset(local, kM), kM * kDqStageRowBytes);
+        }
+        ptx::bulk_commit_group();
+      }
+    } else if (args.with_kl && consumer == 0 && wg_thread < count) {
+      // One term per token and list: added to the token's row in place of a per-slot store.
       float sum = 0.f;
 #pragma unroll
       for (int w = 0; w < 8; ++w) sum += kl_parts[w * kMaxStepTokens + wg_thread];
-      args.kl_partial[((int64_t(key.b) * args.num_proxy_heads + key.proxy_head) * args.seqlen + m.token[wg_thread]) *
-                          args.top_k + m.slot[wg_thread]] = sum;
+      atomicAdd(args.kl_rows + (int64_t(key.b) * args.num_proxy_heads + key.proxy_head) * args.seqlen +
+                    m.token[wg_thread],
+                sum);
     }
-    ptx::wgmma_wait_group<0>();
-    ptx::fence_accumulators(dq);
-    // dQ through the consumed stage: both warpgroups store their 64 dims of every row into the
-    // token-major staging (dq_stage_row_offset), then token t is reduce-added, M × 512 contiguous
-    // bytes, by lane t / 8 of consumer warp t % 8. The stage is released once those reads are done.
-    unsigned char* dq_stage = reinterpret_cast<unsigned char*>(q_stages + s * kStageElements);
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float* row = reinterpret_cast<float*>(dq_stage + dq_row_offset[h]) + consumer * 64 + 2 * quad;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        *reinterpret_cast<float2*>(row + 8 * j) = make_float2(dq[4 * j + 2 * h], dq[4 * j + 2 * h + 1]);
-      }
-    }
-    ptx::fence_proxy_async_shared();
-    ptx::named_barrier_sync(kDqBarrier, 256);
-    if (lane < kDqIssueLanes) {
-      const int local = (consumer * 4 + warp) + 8 * lane;
-      if (local < count) {
-        float* rows = args.dq_accum +
-                      ((int64_t(key.b) * args.seqlen + m.token[local]) * args.num_heads + key.proxy_head * kM) * kHeadDim;
-        ptx::bulk_reduce_add_f32(rows, dq_stage + dq_stage_token_offset(local, kM), kM * kDqStageRowBytes);
-      }
-      ptx::bulk_commit_group();
-    }
+    // KL-only: nothing reads the stage or its metadata after this point, so it is released here,
+    // unless the step ends its list: the proxy gradients below read k_proxy, which the producer
+    // replaces for the next list once this step is released.
+    const bool release_early = kKlOnly && !(flags & kStepListLast);
+    if (release_early) ptx::mbarrier_arrive(&q_empty[s]);
     if (args.with_kl_grad) staged += count;
 
     // ---- proxy gradients of the staged tokens ---------------------------------------------------------
@@ -642,11 +730,13 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
       }
       staged = 0;
     }
-    if (lane < kDqIssueLanes) ptx::bulk_wait_group_read<0>();
-    ptx::mbarrier_arrive(&q_empty[s]);
+    if constexpr (!kKlOnly) {
+      if (lane < kDqIssueLanes) ptx::bulk_wait_group_read<0>();
+    }
+    if (!release_early) ptx::mbarrier_arrive(&q_empty[s]);
 
     // ---- dK, dV of the unit: reduce-added when it ends --------------------------------------------------
-    if (flags & kStepUnitLast) {
+    if (!kKlOnly && (flags & kStepUnitLast)) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int key_pos = first_key + key_row0 + 8 * h;
@@ -667,7 +757,9 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
       }
     }
     if (flags & kStepLast) {
-      if (lane < kDqIssueLanes) ptx::bulk_wait_group<0>();
+      if constexpr (!kKlOnly) {
+        if (lane < kDqIssueLanes) ptx::bulk_wait_group<0>();
+      }
       break;
     }
   }
@@ -676,13 +768,75 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
 // ---------------------------------------------------------------------------------------------
 // Host side: one launch over every chunk's tiles of the forward's schedule (params.fwd.schedule).
 // ---------------------------------------------------------------------------------------------
-template <typename Element, int kM>
+template <typename Element, int kM, bool kKlOnly = false>
 cudaError_t launch_pipelined_m(const PipelinedArgs<Element>& args, int device, int grid, cudaStream_t stream) {
   const PipelinedLayout layout = make_pipelined_layout();
-  const void* kernel = reinterpret_cast<const void*>(backward_pipelined<Element, kM>);
+  const void* kernel = reinterpret_cast<const void*>(backward_pipelined<Element, kM, kKlOnly>);
   if (cudaError_t error = set_max_dynamic_smem(kernel, device, int(layout.total)); error != cudaSuccess) return error;
-  backward_pipelined<Element, kM><<<unsigned(grid), kPipelinedThreads, layout.total, stream>>>(args, layout);
+  backward_pipelined<Element, kM, kKlOnly><<<unsigned(grid), kPipelinedThreads, layout.total, stream>>>(args, layout);
   return cudaGetLastError();
+}
+
+template <typename Element, bool kKlOnly>
+cudaError_t launch_pipelined(const PipelinedArgs<Element>& args, int heads_per_proxy, int grid_limit,
+                             cudaStream_t stream) {
+  int device = 0;
+  int sm_count = 0;
+  if (cudaError_t error = current_device_sms(&device, &sm_count); error != cudaSuccess) return error;
+  const int grid = grid_limit > 0 && grid_limit < sm_count ? grid_limit : sm_count;
+  switch (heads_per_proxy) {
+    case 2:
+      return launch_pipelined_m<Element, 2, kKlOnly>(args, device, grid, stream);
+    case 4:
+      return launch_pipelined_m<Element, 4, kKlOnly>(args, device, grid, stream);
+    case 8:
+      return launch_pipelined_m<Element, 8, kKlOnly>(args, device, grid, stream);
+    default:
+      return launch_pipelined_m<Element, 16, kKlOnly>(args, device, grid, stream);
+  }
+}
+
+// The KL-only dense pass (warmup with the main branch elsewhere): Σ_j g k_proxy into
+// dq_proxy_accum [b, s, hp, di], Σ_i g q_proxy into dk_proxy_accum [b, s, hp, di] and the KL terms
+// into kl_rows [b, hp, s], all zeroed by the caller and added to with fp32 atomics. M = H/Hp ∈
+// {2, 4, 8, 16}; reads q, k, q_proxy, k_proxy, fwd.lse (natural log) and fwd.proxy_lse.
+template <typename Element>
+Status run_pipelined_kl_dense(const BackwardParams& params, float softmax_scale, float proxy_scale,
+                              float* dq_proxy_accum, float* dk_proxy_accum, float* kl_rows, cudaStream_t stream) {
+  const ProblemShape& shape = params.fwd.shape;
+  PipelinedArgs<Element> args{};
+  args.q = strided<const Element>(params.fwd.q);
+  args.k = strided<const Element>(params.fwd.k);
+  args.q_proxy = strided<const Element>(params.fwd.q_proxy);
+  args.k_proxy = strided<const Element>(params.fwd.k_proxy);
+  args.lse = params.fwd.lse;
+  args.proxy_lse = params.fwd.proxy_lse;
+  args.dq_proxy_accum = dq_proxy_accum;
+  args.dk_proxy_accum = dk_proxy_accum;
+  args.kl_rows = kl_rows;
+  args.dense_chunks = int(dense_chunks(shape.seqlen));
+  args.dense_lists_per_bh = dense_lists_per_bh(shape.seqlen);
+  args.dense_lists = args.dense_lists_per_bh * shape.batch * shape.num_proxy_heads;
+  args.seqlen = int(shape.seqlen);
+  args.num_blocks = int(shape.num_blocks());
+  args.batch = int(shape.batch);
+  args.num_heads = shape.num_heads;
+  args.num_kv_heads = shape.num_kv_heads;
+  args.num_proxy_heads = shape.num_proxy_heads;
+  args.proxy_heads_per_kv = shape.num_proxy_heads / shape.num_kv_heads;
+  args.proxy_ratio = shape.proxy_ratio();
+  args.top_k = 1;
+  args.scale_log2 = softmax_scale * kLog2e;
+  args.proxy_scale_log2 = proxy_scale * kLog2e;
+  args.with_kl = 1;
+  args.with_kl_grad = params.kl_grad != nullptr ? 1 : 0;
+  if (args.dense_lists >= (int64_t(1) << 32) - 1) {
+    return {StatusCode::kUnsupported, "shape: the KL-only warmup backward numbers its lists in 32 bits"};
+  }
+  const int grid_limit = int(std::min<int64_t>(args.dense_lists, 1 << 30));
+  const cudaError_t error = launch_pipelined<Element, true>(args, shape.heads_per_proxy(), grid_limit, stream);
+  if (error == cudaSuccess) return Status::Ok();
+  return {StatusCode::kCudaError, std::string("warmup KL-only backward: ") + cudaGetErrorString(error)};
 }
 
 template <typename Element>
@@ -728,25 +882,7 @@ Status run_pipelined_tiles(const Problem& pb, cudaStream_t stream) {
   args.with_kl = pb.with_kl ? 1 : 0;
   args.with_kl_grad = params.kl_grad != nullptr ? 1 : 0;
 
-  int device = 0;
-  int sm_count = 0;
-  cudaError_t error = current_device_sms(&device, &sm_count);
-  if (error == cudaSuccess) {
-    switch (pb.heads_per_proxy) {
-      case 2:
-        error = launch_pipelined_m<Element, 2>(args, device, sm_count, stream);
-        break;
-      case 4:
-        error = launch_pipelined_m<Element, 4>(args, device, sm_count, stream);
-        break;
-      case 8:
-        error = launch_pipelined_m<Element, 8>(args, device, sm_count, stream);
-        break;
-      default:
-        error = launch_pipelined_m<Element, 16>(args, device, sm_count, stream);
-        break;
-    }
-  }
+  const cudaError_t error = launch_pipelined<Element, false>(args, pb.heads_per_proxy, 0, stream);
   if (error == cudaSuccess) return Status::Ok();
   return {StatusCode::kCudaError, std::string("backward: pipelined tiles: ") + cudaGetErrorString(error)};
 }

@@ -21,6 +21,7 @@
 // twice (7 tile products instead of 5).
 #pragma once
 
+#include "kernels/backward/pipelined_kernel.cuh"
 #include "kernels/common/backward_common.cuh"
 #include "kernels/warmup/common.cuh"
 
@@ -31,6 +32,7 @@ struct BackwardArgs {
   BackwardParams params;
   float* delta;           // [b, h, s]
   float* dk_proxy_accum;  // [b, s, hp, di]
+  float* dq_proxy_accum;  // [b, s, hp, di] (KL-only backward)
   float* kl_rows;         // [b, hp, s]
   float* kl_sums;         // [kKlSumBlocks]
   float softmax_scale;    // σ
@@ -588,12 +590,76 @@ __global__ void __launch_bounds__(kBackwardThreads) finish_dk_proxy_kernel(const
   for (int e = 0; e < 4; ++e) dst[e] = from_float<T>(acc[e] * factor);
 }
 
+// dq_proxy = ḡσp/n · accum (the KL-only backward's atomically summed dq_proxy). One warp per
+// (b, token, p).
+template <typename T>
+__global__ void __launch_bounds__(kBackwardThreads) finish_dq_proxy_kernel(const BackwardArgs args) {
+  const ProblemShape& shape = args.params.fwd.shape;
+  const int lane = threadIdx.x & 31;
+  const int64_t row = int64_t(blockIdx.x) * kBackwardWarps + (threadIdx.x >> 5);
+  if (row >= shape.batch * shape.seqlen * shape.num_proxy_heads) return;
+  const int proxy_head = int(row % shape.num_proxy_heads);
+  const int64_t token = (row / shape.num_proxy_heads) % shape.seqlen;
+  const int64_t b = row / (int64_t(shape.num_proxy_heads) * shape.seqlen);
+  const int dim = lane * 4;
+  float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
+  if (args.params.kl_grad != nullptr) x = *reinterpret_cast<const float4*>(args.dq_proxy_accum + row * kHeadDim + dim);
+  const float factor = kl_gradient_factor(args.params, args.proxy_scale);
+  T* dst = strided<T>(args.params.dq_proxy).row(b, token, proxy_head) + dim;
+  dst[0] = from_float<T>(x.x * factor);
+  dst[1] = from_float<T>(x.y * factor);
+  dst[2] = from_float<T>(x.z * factor);
+  dst[3] = from_float<T>(x.w * factor);
+}
+
 // The KL value: ordered two-pass sum of args.kl_rows / (B·Hp·S), written to fwd.kl (dtype_free.cu).
 Status reduce_kl(const BackwardArgs& args, cudaStream_t stream);
 
 // ---------------------------------------------------------------------------------------------
-// Launcher
+// Launchers
 // ---------------------------------------------------------------------------------------------
+
+// fwd.main_branch = false: only the KL value and dq_proxy, dk_proxy, from the caller's dense LSE,
+// by the sparse backward's wgmma pipeline over the dense schedule (backward/pipelined_kernel.cuh,
+// kKlOnly), accumulating with fp32 atomics, then the two finish kernels and the KL sum.
+template <typename T>
+Status run_kl_only(BackwardArgs& args, const WorkspaceLayout& layout, cudaStream_t stream) {
+  const BackwardParams& params = args.params;
+  const ProblemShape& shape = params.fwd.shape;
+  if (params.deterministic) {
+    return {StatusCode::kUnsupported,
+            "deterministic: the KL-only warmup backward (fwd.main_branch = false) sums with atomics; "
+            "use fwd.main_branch = true for bitwise-reproducible gradients"};
+  }
+  if (!backward::pipelined_supported(args.heads_per_proxy, false)) {
+    return {StatusCode::kUnsupported,
+            "shape: the KL-only warmup backward (fwd.main_branch = false) is built for H/Hp in {2, 4, 8, 16}"};
+  }
+  char* base = static_cast<char*>(params.workspace);
+  float* dq_proxy_accum = reinterpret_cast<float*>(base + layout.dq_proxy_accum);
+  args.dk_proxy_accum = reinterpret_cast<float*>(base + layout.dk_proxy_accum);
+  args.dq_proxy_accum = dq_proxy_accum;
+  FLASHMSA_WARMUP_CHECK(cudaMemsetAsync(base + layout.dq_proxy_accum, 0, layout.kl_sums - layout.dq_proxy_accum, stream),
+                        "memset");
+  if (args.with_kl) {
+    if (Status status = backward::run_pipelined_kl_dense<T>(params, args.softmax_scale, args.proxy_scale,
+                                                            dq_proxy_accum, args.dk_proxy_accum, args.kl_rows, stream);
+        !status.ok()) {
+      return status;
+    }
+  }
+  const int64_t tokens = shape.batch * shape.seqlen;
+  const int64_t proxy_rows = tokens * shape.num_proxy_heads;
+  finish_dq_proxy_kernel<T><<<unsigned(ceil_div(proxy_rows, kBackwardWarps)), kBackwardThreads, 0, stream>>>(args);
+  FLASHMSA_WARMUP_CHECK(cudaGetLastError(), "finish_dq_proxy_kernel");
+  const int64_t proxy_key_rows = tokens * shape.num_proxy_kv_heads;
+  finish_dk_proxy_kernel<T><<<unsigned(ceil_div(proxy_key_rows, kBackwardWarps)), kBackwardThreads, 0, stream>>>(
+      args);
+  FLASHMSA_WARMUP_CHECK(cudaGetLastError(), "finish_dk_proxy_kernel");
+  if (params.fwd.kl != nullptr) return reduce_kl(args, stream);
+  return Status::Ok();
+}
+
 template <typename T>
 Status run_backward(const BackwardParams& params, cudaStream_t stream) {
   const ProblemShape& shape = params.fwd.shape;
@@ -624,6 +690,7 @@ Status run_backward(const BackwardParams& params, cudaStream_t stream) {
   args.key_blocks = ceil_div(shape.seqlen, kKeyStep);
   args.with_kl = params.kl_grad != nullptr || params.fwd.kl != nullptr;
   const int64_t tokens = shape.batch * shape.seqlen;
+  if (!params.fwd.main_branch) return run_kl_only<T>(args, layout, stream);
 
   FLASHMSA_WARMUP_CHECK(launch_delta<T>(params, args.delta, stream), "delta_kernel");
 

@@ -94,12 +94,15 @@ static_assert(kDkdvSmemBytes <= 227 * 1024, "warmup dkdv kernel: shared memory o
 
 // ---------------------------------------------------------------------------------------------
 // Backward workspace (backward_workspace_size() in warmup mode returns `total`); the forward needs
-// none. Every buffer is fully written before it is read, so nothing is zeroed.
+// none. The two-kernel backward writes every buffer fully before reading it, so nothing is zeroed;
+// the KL-only backward (fwd.main_branch = false) zeroes [dq_proxy_accum, kl_sums) and accumulates
+// there with atomics.
 // ---------------------------------------------------------------------------------------------
 constexpr int kKlSumBlocks = 256;  // first pass of the ordered KL sum
 
 struct WorkspaceLayout {
   size_t delta = 0;           // fp32 [b, h, s]: Δ = ⟨O, dO⟩
+  size_t dq_proxy_accum = 0;  // fp32 [b, s, hp, di]: Σ_j g k_proxy (KL-only backward)
   size_t dk_proxy_accum = 0;  // fp32 [b, s, hp, di]: Σ_i g q_proxy per proxy head, summed over R last
   size_t kl_rows = 0;         // fp32 [b, hp, s]: Σ_j t (log t - log π) per group row
   size_t kl_sums = 0;         // fp32 [kKlSumBlocks]
@@ -116,6 +119,7 @@ inline WorkspaceLayout workspace_layout(const ProblemShape& shape) {
     return offset;
   };
   layout.delta = take(4 * tokens * size_t(shape.num_heads));
+  layout.dq_proxy_accum = take(4 * tokens * size_t(shape.num_proxy_heads) * size_t(shape.proxy_head_dim));
   layout.dk_proxy_accum = take(4 * tokens * size_t(shape.num_proxy_heads) * size_t(shape.proxy_head_dim));
   layout.kl_rows = take(4 * tokens * size_t(shape.num_proxy_heads));
   layout.kl_sums = take(4 * kKlSumBlocks);

@@ -280,8 +280,10 @@ Status run_forward(const ForwardParams& params, cudaStream_t stream) {
   main_args.tokens_per_tile = kForwardRows / main_args.heads_per_group;
   main_args.chunks = ceil_div(shape.seqlen, main_args.tokens_per_tile);
   main_args.scale_log2 = softmax_scale * kLog2e;
-  if (Status status = launch_tiles<T, true>(main_args, stream, "forward_tile_kernel (main)"); !status.ok()) {
-    return status;
+  if (params.main_branch) {
+    if (Status status = launch_tiles<T, true>(main_args, stream, "forward_tile_kernel (main)"); !status.ok()) {
+      return status;
+    }
   }
 
   ForwardArgs<T> proxy_args = main_args;
