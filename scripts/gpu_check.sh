@@ -118,9 +118,10 @@ if [[ "${PYTORCH_TESTS:-1}" != "0" ]]; then
       > "$raw/host_overhead.log" 2>&1 || true
     sed -n '2,5p' "$raw/host_overhead.log"
     # Warmup mode through the op (main branch on cuDNN) next to cuDNN dense, in one process.
-    if [[ "$warmup_seqlens" != "0" ]]; then
+    warmup_torch_seqlens="${WARMUP_TORCH_SEQLENS:-$warmup_seqlens}"
+    if [[ "$warmup_torch_seqlens" != "0" ]]; then
       FLASHMSA_TORCH_LIBRARY="$torch_library" timeout 300 python3 "$root/bench/warmup_torch.py" \
-        --seqlens "$warmup_seqlens" --out "$raw/warmup_torch_rows.json" 2>&1 | tee "$raw/warmup_torch.log"
+        --seqlens "$warmup_torch_seqlens" --out "$raw/warmup_torch_rows.json" 2>&1 | tee "$raw/warmup_torch.log"
       [[ -f "$raw/warmup_torch_rows.json" ]] && row_files+=("$raw/warmup_torch_rows.json")
     fi
   fi

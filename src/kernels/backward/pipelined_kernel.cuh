@@ -27,8 +27,8 @@
 //                                          (chunk, b, g, c) and are reduce-added when it ends
 //              dQ = dS·K                   dS through shared memory; warpgroup c computes dims
 //                                          [64c, 64c + 64), stages them (fp32) in the consumed
-//                                          Q/dO stage and reduce-adds each row with one bulk
-//                                          operation (cp.reduce.async.bulk)
+//                                          Q/dO stage; each step token's M rows are reduce-added
+//                                          with one bulk operation (cp.reduce.async.bulk)
 //              KL                          t = mean of P over the M heads, π = exp(s̃σp − plse),
 //                                          g = π − t staged with the q_proxy rows (32 tokens), then
 //                                          dk_proxy += g·q̃ (m64n128) and dq_proxyᵀ = k̃ᵀ·gᵀ
