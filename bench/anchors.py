@@ -194,18 +194,22 @@ def flex_rows(seqlen, compiled, pattern):
             row(system, "fwd_bwd", pattern, seqlen, median_ms(fwd_bwd, repeats=repeats), 3.5 * flops_fwd)]
 
 
+def paper_leaves(seqlen, generator):
+    """q, k, v, q_proxy, k_proxy of the paper config: bf16 [1, S, heads, D] N(0, 1) leaves that
+    require grad, drawn from `generator` in that order."""
+    def leaf(heads):
+        return torch.randn(1, seqlen, heads, HEAD_DIM, device="cuda", dtype=torch.bfloat16,
+                           generator=generator).requires_grad_(True)
+
+    return leaf(HEADS), leaf(KV_HEADS), leaf(KV_HEADS), leaf(PROXY_HEADS), leaf(1)
+
+
 def eager_rows(seqlen, eager):
     """The eager PyTorch MSA model (flashmsa.eager, dense [H, S, S] fp32 scores with masks) on the
     paper config: forward and fwd_bwd on a given selection (pattern random, like flashmsa's rows),
     and the step with its own selection. TFLOP/s are left out: it computes dense scores."""
     generator = torch.Generator(device="cuda").manual_seed(0)
-
-    def leaf(heads):
-        return torch.randn(1, seqlen, heads, HEAD_DIM, device="cuda", dtype=torch.bfloat16,
-                           generator=generator).requires_grad_(True)
-
-    q, k, v = leaf(HEADS), leaf(KV_HEADS), leaf(KV_HEADS)
-    q_proxy, k_proxy = leaf(PROXY_HEADS), leaf(1)
+    q, k, v, q_proxy, k_proxy = paper_leaves(seqlen, generator)
     dout = torch.randn(1, seqlen, HEADS, HEAD_DIM, device="cuda", dtype=torch.float32, generator=generator)
     top_k = TOP_K * BLOCK
     block_idx = eager.select_blocks(q_proxy.detach(), k_proxy.detach(), TOP_K)

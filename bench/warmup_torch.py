@@ -19,7 +19,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 BENCH = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, BENCH)
-from anchors import HEADS, HEAD_DIM, KV_HEADS, PROXY_HEADS, median_ms, progress, row  # noqa: E402
+from anchors import HEADS, HEAD_DIM, KV_HEADS, median_ms, paper_leaves, progress, row  # noqa: E402
 
 try:
     import flashmsa  # noqa: E402
@@ -30,13 +30,7 @@ except ImportError:  # not installed: the package sources of this checkout
 
 def warmup_rows(seqlen):
     generator = torch.Generator(device="cuda").manual_seed(0)
-
-    def leaf(heads):
-        return torch.randn(1, seqlen, heads, HEAD_DIM, device="cuda", dtype=torch.bfloat16,
-                           generator=generator).requires_grad_(True)
-
-    q, k, v = leaf(HEADS), leaf(KV_HEADS), leaf(KV_HEADS)
-    q_proxy, k_proxy = leaf(PROXY_HEADS), leaf(1)
+    q, k, v, q_proxy, k_proxy = paper_leaves(seqlen, generator)
     dout = torch.randn(1, seqlen, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=generator)
     sink = flashmsa.new_kl_sink("cuda")
 

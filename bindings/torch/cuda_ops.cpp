@@ -84,7 +84,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_cuda(
     const at::Tensor& k_proxy, const std::optional<at::Tensor>& block_idx, int64_t top_k,
     c10::string_view mode, double softmax_scale, double proxy_scale, bool deterministic,
     const std::optional<at::Tensor>& kl_sink) {
-  (void)deterministic;  // for the backward; the forward is deterministic
   const Op op = Op::kForward;
   ForwardParams params = forward_inputs(q, k, v, q_proxy, k_proxy, block_idx, top_k,
                                         std::string(mode), softmax_scale, proxy_scale, op);
@@ -92,16 +91,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_cuda(
   const ProblemShape& shape = params.shape;
   const c10::cuda::CUDAGuard guard(q.device());
   const cudaStream_t stream = current_stream(q);
+  // Warmup: O and LSE from cuDNN where it serves, flashmsa then adds the proxy LSE (warmup_cudnn.cpp).
+  std::optional<CudnnForward> main;
+  if (params.mode == Mode::kWarmup && warmup_main_on_cudnn(shape, deterministic)) {
+    main = cudnn_dense_forward(q, k, v, shape, main_scale(params));
+  }
+  params.main_branch = !main.has_value();
   const ForwardOutputs outputs = allocate_forward_outputs(params, q);
   check_status(validate(params), op, Check::kCallerInput);
-  if (params.mode == Mode::kWarmup && warmup_main_on_cudnn(shape, deterministic)) {
-    // O and LSE from cuDNN, the proxy LSE from flashmsa (warmup_cudnn.cpp).
-    if (const std::optional<CudnnForward> main = cudnn_dense_forward(q, k, v, shape, main_scale(params))) {
-      params.main_branch = false;
-      check_status(flashmsa::forward(params, stream), op, Check::kFull);
-      return {main->out, main->lse, outputs.proxy_lse, zero_scalar(q, stream, op)};
-    }
-  }
 
   // One device buffer for the schedule and the forward's workspace, in that order.
   const size_t schedule_bytes =
@@ -115,6 +112,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_cuda(
   }
   params.workspace = buffers.numel() > int64_t(schedule_bytes) ? base + schedule_bytes : nullptr;
   check_status(flashmsa::forward(params, stream), op, Check::kFull);
+  if (main) return {main->out, main->lse, outputs.proxy_lse, zero_scalar(q, stream, op)};
   return {outputs.out, outputs.lse, outputs.proxy_lse, zero_scalar(q, stream, op)};
 }
 
@@ -135,6 +133,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
 
   const c10::cuda::CUDAGuard guard(q.device());
   const cudaStream_t stream = current_stream(q);
+  // Warmup: dq, dk, dv from cuDNN where it serves, flashmsa then runs its KL-only backward.
+  std::optional<CudnnGradients> main;
+  if (params.fwd.mode == Mode::kWarmup && warmup_main_on_cudnn(shape, deterministic)) {
+    main = cudnn_dense_backward(dout_view, q, k, v, out, lse, shape, main_scale(params.fwd));
+  }
+  params.fwd.main_branch = !main.has_value();
   const InputGradients grads = allocate_backward_arguments(
       params, q, k, v, q_proxy, k_proxy, out, lse, proxy_lse, dout_view, kl_grad);
   // Written by the backward's last kernel (SPEC.md §3); no fill needed.
@@ -142,17 +146,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   params.fwd.kl = kl_value.data_ptr<float>();
   params.deterministic = deterministic;
   check_status(validate(params), op, Check::kCallerInput);
-  if (params.fwd.mode == Mode::kWarmup && warmup_main_on_cudnn(shape, deterministic)) {
-    // dq, dk, dv from cuDNN, the KL value and proxy gradients from flashmsa's KL-only backward.
-    if (const std::optional<CudnnGradients> main =
-            cudnn_dense_backward(dout_view, q, k, v, out, lse, shape, main_scale(params.fwd))) {
-      params.fwd.main_branch = false;
-      const at::Tensor workspace = device_buffer(backward_workspace_size(shape, Mode::kWarmup, false), q);
-      params.workspace = pointer_or_null(workspace);
-      check_status(flashmsa::backward(params, stream), op, Check::kFull);
-      return {main->dq, main->dk, main->dv, grads.dq_proxy, grads.dk_proxy, kl_value};
-    }
-  }
 
   // One device buffer for the schedule and the backward's workspace, in that order.
   const size_t schedule_bytes =
@@ -166,6 +159,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   }
   params.workspace = buffers.numel() > int64_t(schedule_bytes) ? base + schedule_bytes : nullptr;
   check_status(flashmsa::backward(params, stream), op, Check::kFull);
+  if (main) return {main->dq, main->dk, main->dv, grads.dq_proxy, grads.dk_proxy, kl_value};
   return {grads.dq, grads.dk, grads.dv, grads.dq_proxy, grads.dk_proxy, kl_value};
 }
 

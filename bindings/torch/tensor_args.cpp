@@ -327,11 +327,14 @@ void check_scalar(const at::Tensor& tensor, const char* name, const at::Tensor& 
 ForwardOutputs allocate_forward_outputs(ForwardParams& params, const at::Tensor& q) {
   const ProblemShape& shape = params.shape;
   const at::TensorOptions fp32 = q.options().dtype(at::kFloat);
-  ForwardOutputs outputs{at::empty(q.sizes(), q.options()),
-                         at::empty({shape.batch, shape.num_heads, shape.seqlen}, fp32),
-                         at::empty({shape.batch, shape.num_proxy_heads, shape.seqlen}, fp32)};
-  params.out = tensor_ref(outputs.out);
-  params.lse = outputs.lse.data_ptr<float>();
+  ForwardOutputs outputs;
+  if (params.main_branch) {
+    outputs.out = at::empty(q.sizes(), q.options());
+    outputs.lse = at::empty({shape.batch, shape.num_heads, shape.seqlen}, fp32);
+    params.out = tensor_ref(outputs.out);
+    params.lse = outputs.lse.data_ptr<float>();
+  }
+  outputs.proxy_lse = at::empty({shape.batch, shape.num_proxy_heads, shape.seqlen}, fp32);
   params.proxy_lse = outputs.proxy_lse.data_ptr<float>();
   return outputs;
 }
@@ -342,16 +345,22 @@ InputGradients allocate_backward_arguments(BackwardParams& params, const at::Ten
                                            const at::Tensor& out, const at::Tensor& lse,
                                            const at::Tensor& proxy_lse, const at::Tensor& dout_view,
                                            const std::optional<at::Tensor>& kl_grad) {
-  InputGradients grads{at::empty_like(q), at::empty_like(k), at::empty_like(v),
-                       at::empty_like(q_proxy), at::empty_like(k_proxy)};
+  InputGradients grads;
+  if (params.fwd.main_branch) {
+    grads.dq = at::empty_like(q);
+    grads.dk = at::empty_like(k);
+    grads.dv = at::empty_like(v);
+    params.dq = tensor_ref(grads.dq);
+    params.dk = tensor_ref(grads.dk);
+    params.dv = tensor_ref(grads.dv);
+  }
+  grads.dq_proxy = at::empty_like(q_proxy);
+  grads.dk_proxy = at::empty_like(k_proxy);
   params.fwd.out = tensor_ref(out);
   params.fwd.lse = lse.data_ptr<float>();
   params.fwd.proxy_lse = proxy_lse.data_ptr<float>();
   params.dout = tensor_ref(dout_view);
   params.kl_grad = kl_grad.has_value() ? kl_grad->data_ptr<float>() : nullptr;
-  params.dq = tensor_ref(grads.dq);
-  params.dk = tensor_ref(grads.dk);
-  params.dv = tensor_ref(grads.dv);
   params.dq_proxy = tensor_ref(grads.dq_proxy);
   params.dk_proxy = tensor_ref(grads.dk_proxy);
   return grads;

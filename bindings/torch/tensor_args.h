@@ -92,15 +92,17 @@ void check_saved_outputs(const at::Tensor& out, const at::Tensor& lse, const at:
 // An fp32 scalar (one element, contiguous) on the device of q: kl_grad and kl_value.
 void check_scalar(const at::Tensor& tensor, const char* name, const at::Tensor& q, Op op);
 
-// The forward's outputs (out like q; lse, proxy_lse fp32), allocated and set in `params`.
+// The forward's outputs (out like q; lse, proxy_lse fp32), allocated and set in `params`; out and
+// lse only when params.main_branch (otherwise another kernel makes them).
 struct ForwardOutputs {
   at::Tensor out, lse, proxy_lse;
 };
 ForwardOutputs allocate_forward_outputs(ForwardParams& params, const at::Tensor& q);
 
 // The backward's gradients (each with its input's size and, for dense inputs, strides), allocated
-// and set in `params` together with the saved outputs, dout and kl_grad. `params.fwd` comes from
-// forward_inputs; the inputs are the five attention tensors in the order q, k, v, q_proxy, k_proxy.
+// and set in `params` together with the saved outputs, dout and kl_grad; dq, dk, dv only when
+// params.fwd.main_branch. `params.fwd` comes from forward_inputs; the inputs are the five attention
+// tensors in the order q, k, v, q_proxy, k_proxy.
 struct InputGradients {
   at::Tensor dq, dk, dv, dq_proxy, dk_proxy;
 };

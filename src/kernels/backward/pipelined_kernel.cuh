@@ -768,6 +768,19 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
 // ---------------------------------------------------------------------------------------------
 // Host side: one launch over every chunk's tiles of the forward's schedule (params.fwd.schedule).
 // ---------------------------------------------------------------------------------------------
+// The sizes and head maps every launch of the kernel sets alike.
+template <typename Element>
+void set_shape_fields(PipelinedArgs<Element>& args, const ProblemShape& shape) {
+  args.seqlen = int(shape.seqlen);
+  args.num_blocks = int(shape.num_blocks());
+  args.batch = int(shape.batch);
+  args.num_heads = shape.num_heads;
+  args.num_kv_heads = shape.num_kv_heads;
+  args.num_proxy_heads = shape.num_proxy_heads;
+  args.proxy_heads_per_kv = shape.num_proxy_heads / shape.num_kv_heads;
+  args.proxy_ratio = shape.proxy_ratio();
+}
+
 template <typename Element, int kM, bool kKlOnly = false>
 cudaError_t launch_pipelined_m(const PipelinedArgs<Element>& args, int device, int grid, cudaStream_t stream) {
   const PipelinedLayout layout = make_pipelined_layout();
@@ -817,14 +830,7 @@ Status run_pipelined_kl_dense(const BackwardParams& params, float softmax_scale,
   args.dense_chunks = int(dense_chunks(shape.seqlen));
   args.dense_lists_per_bh = dense_lists_per_bh(shape.seqlen);
   args.dense_lists = args.dense_lists_per_bh * shape.batch * shape.num_proxy_heads;
-  args.seqlen = int(shape.seqlen);
-  args.num_blocks = int(shape.num_blocks());
-  args.batch = int(shape.batch);
-  args.num_heads = shape.num_heads;
-  args.num_kv_heads = shape.num_kv_heads;
-  args.num_proxy_heads = shape.num_proxy_heads;
-  args.proxy_heads_per_kv = shape.num_proxy_heads / shape.num_kv_heads;
-  args.proxy_ratio = shape.proxy_ratio();
+  set_shape_fields(args, shape);
   args.top_k = 1;
   args.scale_log2 = softmax_scale * kLog2e;
   args.proxy_scale_log2 = proxy_scale * kLog2e;
@@ -868,14 +874,7 @@ Status run_pipelined_tiles(const Problem& pb, cudaStream_t stream) {
   args.dq_proxy_accum = pb.ws.dq_proxy_accum;
   args.dk_proxy_accum = pb.ws.dk_proxy_accum;
   args.kl_partial = pb.ws.kl_partial;
-  args.seqlen = int(shape.seqlen);
-  args.num_blocks = int(shape.num_blocks());
-  args.batch = int(shape.batch);
-  args.num_heads = shape.num_heads;
-  args.num_kv_heads = shape.num_kv_heads;
-  args.num_proxy_heads = shape.num_proxy_heads;
-  args.proxy_heads_per_kv = shape.num_proxy_heads / shape.num_kv_heads;
-  args.proxy_ratio = shape.proxy_ratio();
+  set_shape_fields(args, shape);
   args.top_k = shape.top_k;
   args.scale_log2 = pb.scale_log2;
   args.proxy_scale_log2 = pb.proxy_scale * kLog2e;

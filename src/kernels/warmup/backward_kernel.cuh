@@ -14,7 +14,7 @@
 //                       heads with tokens ≥ the block stream two stages deep; per tile P, dS, g as
 //                       above and dV += Pᵀ dO, dK += dSᵀ Q, dk_proxy(p) += gᵀ q_proxy, all in
 //                       registers; dk_proxy per proxy head to an fp32 buffer, dK, dV written once.
-//   finish_dk_proxy     dk_proxy = ḡσp/n · Σ over the R proxy heads of a proxy key head, in order.
+//   finish_proxy_grad   dk_proxy = ḡσp/n · Σ over the R proxy heads of a proxy key head, in order.
 //   reduce_kl_*         ordered two-pass sum of the per-row KL terms / (B·Hp·S) → fwd.kl.
 // Every output element is written by exactly one thread with a sum in a fixed order, so every run
 // is bitwise identical (deterministic mode needs nothing more). The price: P and dS are computed
@@ -561,23 +561,25 @@ __global__ void __launch_bounds__(kBackwardThreads, 1) dkdv_kernel(const Backwar
 }
 
 // ---------------------------------------------------------------------------------------------
-// dk_proxy = ḡσp/n · Σ_{p → pk} accum[p], in proxy-head order. One warp per (b, key, pk).
+// A proxy gradient from its fp32 accumulator [b, s, hp, di]: dst[b, s, head] = ḡσp/n · Σ of the
+// `ratio` proxy heads head·ratio … in order. dk_proxy: head = proxy key head, ratio R; dq_proxy of
+// the KL-only backward: ratio 1. Zero without kl_grad. One warp per (b, token, head).
 // ---------------------------------------------------------------------------------------------
 template <typename T>
-__global__ void __launch_bounds__(kBackwardThreads) finish_dk_proxy_kernel(const BackwardArgs args) {
+__global__ void __launch_bounds__(kBackwardThreads)
+    finish_proxy_grad_kernel(const BackwardArgs args, const float* accum, TensorRef dst_ref, int heads, int ratio) {
   const ProblemShape& shape = args.params.fwd.shape;
   const int lane = threadIdx.x & 31;
   const int64_t row = int64_t(blockIdx.x) * kBackwardWarps + (threadIdx.x >> 5);
-  if (row >= shape.batch * shape.seqlen * shape.num_proxy_kv_heads) return;
-  const int proxy_key_head = int(row % shape.num_proxy_kv_heads);
-  const int64_t key = (row / shape.num_proxy_kv_heads) % shape.seqlen;
-  const int64_t b = row / (int64_t(shape.num_proxy_kv_heads) * shape.seqlen);
+  if (row >= shape.batch * shape.seqlen * heads) return;
+  const int head = int(row % heads);
+  const int64_t token_row = row / heads;  // b·S + token
   const int dim = lane * 4;
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
   if (args.params.kl_grad != nullptr) {
-    for (int p = proxy_key_head * args.proxy_ratio; p < (proxy_key_head + 1) * args.proxy_ratio; ++p) {
-      const float4 x = *reinterpret_cast<const float4*>(
-          args.dk_proxy_accum + ((b * shape.seqlen + key) * shape.num_proxy_heads + p) * kHeadDim + dim);
+    for (int p = head * ratio; p < (head + 1) * ratio; ++p) {
+      const float4 x =
+          *reinterpret_cast<const float4*>(accum + (token_row * shape.num_proxy_heads + p) * kHeadDim + dim);
       acc[0] += x.x;
       acc[1] += x.y;
       acc[2] += x.z;
@@ -585,31 +587,19 @@ __global__ void __launch_bounds__(kBackwardThreads) finish_dk_proxy_kernel(const
     }
   }
   const float factor = kl_gradient_factor(args.params, args.proxy_scale);
-  T* dst = strided<T>(args.params.dk_proxy).row(b, key, proxy_key_head) + dim;
+  T* dst = strided<T>(dst_ref).row(token_row / shape.seqlen, token_row % shape.seqlen, head) + dim;
 #pragma unroll
   for (int e = 0; e < 4; ++e) dst[e] = from_float<T>(acc[e] * factor);
 }
 
-// dq_proxy = ḡσp/n · accum (the KL-only backward's atomically summed dq_proxy). One warp per
-// (b, token, p).
 template <typename T>
-__global__ void __launch_bounds__(kBackwardThreads) finish_dq_proxy_kernel(const BackwardArgs args) {
+cudaError_t launch_finish_proxy_grad(const BackwardArgs& args, const float* accum, TensorRef dst, int heads,
+                                     int ratio, cudaStream_t stream) {
   const ProblemShape& shape = args.params.fwd.shape;
-  const int lane = threadIdx.x & 31;
-  const int64_t row = int64_t(blockIdx.x) * kBackwardWarps + (threadIdx.x >> 5);
-  if (row >= shape.batch * shape.seqlen * shape.num_proxy_heads) return;
-  const int proxy_head = int(row % shape.num_proxy_heads);
-  const int64_t token = (row / shape.num_proxy_heads) % shape.seqlen;
-  const int64_t b = row / (int64_t(shape.num_proxy_heads) * shape.seqlen);
-  const int dim = lane * 4;
-  float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
-  if (args.params.kl_grad != nullptr) x = *reinterpret_cast<const float4*>(args.dq_proxy_accum + row * kHeadDim + dim);
-  const float factor = kl_gradient_factor(args.params, args.proxy_scale);
-  T* dst = strided<T>(args.params.dq_proxy).row(b, token, proxy_head) + dim;
-  dst[0] = from_float<T>(x.x * factor);
-  dst[1] = from_float<T>(x.y * factor);
-  dst[2] = from_float<T>(x.z * factor);
-  dst[3] = from_float<T>(x.w * factor);
+  const int64_t rows = shape.batch * shape.seqlen * heads;
+  finish_proxy_grad_kernel<T><<<unsigned(ceil_div(rows, kBackwardWarps)), kBackwardThreads, 0, stream>>>(
+      args, accum, dst, heads, ratio);
+  return cudaGetLastError();
 }
 
 // The KL value: ordered two-pass sum of args.kl_rows / (B·Hp·S), written to fwd.kl (dtype_free.cu).
@@ -623,7 +613,7 @@ Status reduce_kl(const BackwardArgs& args, cudaStream_t stream);
 // by the sparse backward's wgmma pipeline over the dense schedule (backward/pipelined_kernel.cuh,
 // kKlOnly), accumulating with fp32 atomics, then the two finish kernels and the KL sum.
 template <typename T>
-Status run_kl_only(BackwardArgs& args, const WorkspaceLayout& layout, cudaStream_t stream) {
+Status run_kl_only(const BackwardArgs& args, const WorkspaceLayout& layout, cudaStream_t stream) {
   const BackwardParams& params = args.params;
   const ProblemShape& shape = params.fwd.shape;
   if (params.deterministic) {
@@ -636,26 +626,22 @@ Status run_kl_only(BackwardArgs& args, const WorkspaceLayout& layout, cudaStream
             "shape: the KL-only warmup backward (fwd.main_branch = false) is built for H/Hp in {2, 4, 8, 16}"};
   }
   char* base = static_cast<char*>(params.workspace);
-  float* dq_proxy_accum = reinterpret_cast<float*>(base + layout.dq_proxy_accum);
-  args.dk_proxy_accum = reinterpret_cast<float*>(base + layout.dk_proxy_accum);
-  args.dq_proxy_accum = dq_proxy_accum;
   FLASHMSA_WARMUP_CHECK(cudaMemsetAsync(base + layout.dq_proxy_accum, 0, layout.kl_sums - layout.dq_proxy_accum, stream),
                         "memset");
   if (args.with_kl) {
     if (Status status = backward::run_pipelined_kl_dense<T>(params, args.softmax_scale, args.proxy_scale,
-                                                            dq_proxy_accum, args.dk_proxy_accum, args.kl_rows, stream);
+                                                            args.dq_proxy_accum, args.dk_proxy_accum, args.kl_rows,
+                                                            stream);
         !status.ok()) {
       return status;
     }
   }
-  const int64_t tokens = shape.batch * shape.seqlen;
-  const int64_t proxy_rows = tokens * shape.num_proxy_heads;
-  finish_dq_proxy_kernel<T><<<unsigned(ceil_div(proxy_rows, kBackwardWarps)), kBackwardThreads, 0, stream>>>(args);
-  FLASHMSA_WARMUP_CHECK(cudaGetLastError(), "finish_dq_proxy_kernel");
-  const int64_t proxy_key_rows = tokens * shape.num_proxy_kv_heads;
-  finish_dk_proxy_kernel<T><<<unsigned(ceil_div(proxy_key_rows, kBackwardWarps)), kBackwardThreads, 0, stream>>>(
-      args);
-  FLASHMSA_WARMUP_CHECK(cudaGetLastError(), "finish_dk_proxy_kernel");
+  FLASHMSA_WARMUP_CHECK(
+      launch_finish_proxy_grad<T>(args, args.dq_proxy_accum, params.dq_proxy, shape.num_proxy_heads, 1, stream),
+      "finish_proxy_grad_kernel (dq_proxy)");
+  FLASHMSA_WARMUP_CHECK(launch_finish_proxy_grad<T>(args, args.dk_proxy_accum, params.dk_proxy,
+                                                    shape.num_proxy_kv_heads, args.proxy_ratio, stream),
+                        "finish_proxy_grad_kernel (dk_proxy)");
   if (params.fwd.kl != nullptr) return reduce_kl(args, stream);
   return Status::Ok();
 }
@@ -674,6 +660,7 @@ Status run_backward(const BackwardParams& params, cudaStream_t stream) {
   BackwardArgs args;
   args.params = params;
   args.delta = reinterpret_cast<float*>(base + layout.delta);
+  args.dq_proxy_accum = reinterpret_cast<float*>(base + layout.dq_proxy_accum);
   args.dk_proxy_accum = reinterpret_cast<float*>(base + layout.dk_proxy_accum);
   args.kl_rows = reinterpret_cast<float*>(base + layout.kl_rows);
   args.kl_sums = reinterpret_cast<float*>(base + layout.kl_sums);
@@ -689,7 +676,6 @@ Status run_backward(const BackwardParams& params, cudaStream_t stream) {
   args.query_chunks = ceil_div(shape.seqlen, args.tokens_per_tile);
   args.key_blocks = ceil_div(shape.seqlen, kKeyStep);
   args.with_kl = params.kl_grad != nullptr || params.fwd.kl != nullptr;
-  const int64_t tokens = shape.batch * shape.seqlen;
   if (!params.fwd.main_branch) return run_kl_only<T>(args, layout, stream);
 
   FLASHMSA_WARMUP_CHECK(launch_delta<T>(params, args.delta, stream), "delta_kernel");
@@ -704,10 +690,9 @@ Status run_backward(const BackwardParams& params, cudaStream_t stream) {
   dkdv_kernel<T><<<unsigned(key_units), kBackwardThreads, kDkdvSmemBytes, stream>>>(args);
   FLASHMSA_WARMUP_CHECK(cudaGetLastError(), "dkdv_kernel");
 
-  const int64_t proxy_key_rows = tokens * shape.num_proxy_kv_heads;
-  finish_dk_proxy_kernel<T><<<unsigned(ceil_div(proxy_key_rows, kBackwardWarps)), kBackwardThreads, 0, stream>>>(
-      args);
-  FLASHMSA_WARMUP_CHECK(cudaGetLastError(), "finish_dk_proxy_kernel");
+  FLASHMSA_WARMUP_CHECK(launch_finish_proxy_grad<T>(args, args.dk_proxy_accum, params.dk_proxy,
+                                                    shape.num_proxy_kv_heads, args.proxy_ratio, stream),
+                        "finish_proxy_grad_kernel (dk_proxy)");
 
   if (params.fwd.kl != nullptr) return reduce_kl(args, stream);
   return Status::Ok();
