@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <utility>
 
+#include <string>
 #include <vector>
 
 #include "kernels/backward/config.h"
@@ -67,6 +68,7 @@ TEST(PipelinedBackwardLayout, FitsWithAlignedTiles) {
   EXPECT_EQ(kernels::backward::kDqQuadPad % 16, 0u);
   EXPECT_EQ(layout.meta % 16, 0u);  // float2 loads of (LSE, Δ) pairs
   EXPECT_EQ(sizeof(kernels::backward::StepMeta) % 16, 0u);
+  EXPECT_EQ(sizeof(kernels::backward::StepMetaOf<kernels::backward::kKlOnlyStepRows>) % 16, 0u);
   EXPECT_EQ(layout.barriers % 8, 0u);
 }
 
@@ -138,41 +140,56 @@ TEST(PipelinedBackwardLayout, ServesPowerOfTwoHeadMapsInNonDeterministicMode) {
     EXPECT_EQ(kernels::backward::pipelined_supported(m, false), power_of_two) << "M = " << m;
     EXPECT_FALSE(kernels::backward::pipelined_supported(m, true)) << "M = " << m;
     if (power_of_two) {
-      // A step's tokens (4·⌊16/M⌋) fit the metadata and the staged proxy rows.
-      EXPECT_LE(4 * (16 / m), kernels::backward::kMaxStepTokens) << "M = " << m;
-      EXPECT_LE(4 * (16 / m), kernels::backward::kFlushTokens) << "M = " << m;
+      // A step's tokens (4·⌊16/M⌋, or 4·⌊32/M⌋ in the KL-only mode's 128-row steps) fit the
+      // metadata and the staged proxy rows.
+      for (bool kl_only : {false, true}) {
+        const int tokens = kernels::backward::step_tokens(m, kernels::backward::step_rows(kl_only, m));
+        EXPECT_LE(tokens, kernels::backward::kMaxStepTokens) << "M = " << m;
+        EXPECT_LE(tokens, kernels::backward::kFlushTokens) << "M = " << m;
+      }
     }
   }
 }
 
-// The permuted step rows of the wgmma backward (backward/config.h): the 64 rows are every (token,
-// head) pair of the step's tokens exactly once, and the thread that holds a token's M main columns
-// (lane % 4 = row_quad) also holds its proxy column, which is what puts the KL teacher and student
-// of a (key, token) in one thread.
+// The permuted step rows of the wgmma backward (backward/config.h): the 64 rows (128 in the KL-only
+// mode for M ≥ 4) are every (token, head) pair of the step's tokens exactly once, and the thread
+// that holds a token's M main columns (lane % 4 = row_quad) also holds its proxy column, which is
+// what puts the KL teacher and student of a (key, token) in one thread. The producer's gathers
+// rely on row first_row + 8i being token (first_row / 2)·T + 2i / M, head first_row % 2 + 2i % M.
 TEST(PipelinedBackwardLayout, StepRowsAreATokenMajorPermutation) {
   namespace bw = kernels::backward;
   for (int m : {2, 4, 8, 16}) {
-    std::vector<int> seen(bw::step_tokens(m) * m, 0);
-    for (int n = 0; n < bw::kStepRows; ++n) {
-      const int token = bw::step_row_token(n, m);
-      const int head = bw::step_row_head(n, m);
-      ASSERT_GE(token, 0);
-      ASSERT_LT(token, bw::step_tokens(m)) << "M = " << m << ", row " << n;
-      ASSERT_LT(head, m);
-      ++seen[token * m + head];
-      EXPECT_EQ(bw::row_quad(n), bw::row_quad(bw::proxy_row_of_token(token, m))) << "M = " << m << ", row " << n;
+    for (bool kl_only : {false, true}) {
+      const int rows = bw::step_rows(kl_only, m);
+      const std::string where = "M = " + std::to_string(m) + ", " + std::to_string(rows) + " rows";
+      const int tokens = bw::step_tokens(m, rows);
+      const int per_quad = bw::step_tokens_per_quad(m, rows);
+      std::vector<int> seen(tokens * m, 0);
+      for (int n = 0; n < rows; ++n) {
+        const int token = bw::step_row_token(n, m, rows);
+        const int head = bw::step_row_head(n, m);
+        ASSERT_GE(token, 0);
+        ASSERT_LT(token, tokens) << where << ", row " << n;
+        ASSERT_LT(head, m);
+        ++seen[token * m + head];
+        EXPECT_EQ(bw::row_quad(n), bw::row_quad(bw::proxy_row_of_token(token, m, rows))) << where << ", row " << n;
+        const int first_row = n % 8;
+        const int i = n / 8;
+        EXPECT_EQ(token, (first_row / 2) * per_quad + 2 * i / m) << where << ", row " << n;
+        EXPECT_EQ(head, first_row % 2 + 2 * i % m) << where << ", row " << n;
+      }
+      for (int count : seen) EXPECT_EQ(count, 1) << where;
+      int proxy_rows = 0;
+      for (int n = 0; n < bw::kProxyRowsPerStage; ++n) {
+        const int token = bw::proxy_row_token(n, m, rows);
+        if (token < 0) continue;
+        ++proxy_rows;
+        EXPECT_LT(n, bw::proxy_columns(m, rows)) << where;
+        EXPECT_EQ(bw::proxy_row_of_token(token, m, rows), n) << where;
+      }
+      EXPECT_EQ(proxy_rows, tokens) << where;
+      EXPECT_LE(bw::proxy_columns(m, rows), bw::kProxyRowsPerStage) << where;
     }
-    for (int count : seen) EXPECT_EQ(count, 1) << "M = " << m;
-    int proxy_rows = 0;
-    for (int n = 0; n < bw::kProxyRowsPerStage; ++n) {
-      const int token = bw::proxy_row_token(n, m);
-      if (token < 0) continue;
-      ++proxy_rows;
-      EXPECT_LT(n, bw::proxy_columns(m)) << "M = " << m;
-      EXPECT_EQ(bw::proxy_row_of_token(token, m), n) << "M = " << m;
-    }
-    EXPECT_EQ(proxy_rows, bw::step_tokens(m)) << "M = " << m;
-    EXPECT_LE(bw::proxy_columns(m), bw::kProxyRowsPerStage) << "M = " << m;
   }
 }
 

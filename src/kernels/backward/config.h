@@ -88,7 +88,15 @@ constexpr int kPipelinedProducerThreads = 128;
 constexpr int kPipelinedStages = 2;
 constexpr int kPipelinedProducerRegisters = 40;  // 128·40 + 256·232 = 64512 ≤ 65536
 constexpr int kPipelinedConsumerRegisters = 232;
+// KL-only mode: the consumers hold no dK or dV (only dk_proxy of the list), so the producer, which
+// spills at 40, gets more.
+constexpr int kKlOnlyProducerRegisters = 72;  // 128·72 + 256·216 = 64512
+constexpr int kKlOnlyConsumerRegisters = 216;
 constexpr int kStepRows = 64;        // gathered main rows per step (the N of Sᵀ = K·Qᵀ)
+// KL-only mode with M ≥ 4 takes 128 rows per step: Q fills the stage's dO half too, and the per-step
+// costs (barriers, hand-off, proxy products) are paid per 128 rows.
+constexpr int kKlOnlyStepRows = 128;
+constexpr int step_rows(bool kl_only, int m) { return kl_only && m >= 4 ? kKlOnlyStepRows : kStepRows; }
 constexpr int kMaxStepTokens = 32;   // step_tokens(M) for M ≥ 2
 constexpr int kProxyRowsPerStage = 32;
 constexpr int kFlushTokens = 32;     // tokens of (π − t, q_proxy) staged before dk_proxy, dq_proxy
@@ -98,29 +106,31 @@ inline bool pipelined_supported(int heads_per_proxy, bool deterministic) {
   return !deterministic && (m == 2 || m == 4 || m == 8 || m == 16);
 }
 
-// The permuted row order of a step (M a power of two ≤ 16, T = 16/M tokens per lane quad). Row n
-// of a step is column n = 8j + 2q + e of the transposed accumulators, held by the threads with
-// lane % 4 = q as their column c = 2j + e; it carries token q·T + c/M, head c % M. The proxy rows
-// (one per token) follow the same rule with M = 1, so a token's M main columns and its proxy
-// column belong to the same thread.
-constexpr int step_tokens_per_quad(int m) { return 16 / m; }
-constexpr int step_tokens(int m) { return 4 * step_tokens_per_quad(m); }
-constexpr int proxy_columns(int m) {
-  return step_tokens_per_quad(m) <= 2 ? 8 : (step_tokens_per_quad(m) <= 4 ? 16 : 32);
+// The permuted row order of a step of R rows (M a power of two ≤ 16, T = R/(4M) tokens per lane
+// quad; R = 64 unless given). Row n of a step is column n = 8j + 2q + e of the transposed
+// accumulators, held by the threads with lane % 4 = q as their column c = 2j + e; it carries token
+// q·T + c/M, head c % M. The proxy rows (one per token) follow the same rule with M = 1, so a
+// token's M main columns and its proxy column belong to the same thread.
+constexpr int step_tokens_per_quad(int m, int rows = kStepRows) { return rows / 4 / m; }
+constexpr int step_tokens(int m, int rows = kStepRows) { return 4 * step_tokens_per_quad(m, rows); }
+constexpr int proxy_columns(int m, int rows = kStepRows) {
+  return step_tokens_per_quad(m, rows) <= 2 ? 8 : (step_tokens_per_quad(m, rows) <= 4 ? 16 : 32);
 }
 constexpr int row_quad(int n) { return (n % 8) / 2; }
 constexpr int row_column(int n) { return 2 * (n / 8) + n % 2; }
-constexpr int step_row_token(int n, int m) { return row_quad(n) * step_tokens_per_quad(m) + row_column(n) / m; }
+constexpr int step_row_token(int n, int m, int rows = kStepRows) {
+  return row_quad(n) * step_tokens_per_quad(m, rows) + row_column(n) / m;
+}
 constexpr int step_row_head(int n, int m) { return row_column(n) % m; }
 // Proxy row n -> its token, -1 for a padding row; and the proxy row of token t.
-constexpr int proxy_row_token(int n, int m) {
-  return row_column(n) < step_tokens_per_quad(m) && n < proxy_columns(m)
-             ? row_quad(n) * step_tokens_per_quad(m) + row_column(n)
+constexpr int proxy_row_token(int n, int m, int rows = kStepRows) {
+  return row_column(n) < step_tokens_per_quad(m, rows) && n < proxy_columns(m, rows)
+             ? row_quad(n) * step_tokens_per_quad(m, rows) + row_column(n)
              : -1;
 }
-constexpr int proxy_row_of_token(int t, int m) {
-  const int c = t % step_tokens_per_quad(m);
-  return 8 * (c / 2) + 2 * (t / step_tokens_per_quad(m)) + c % 2;
+constexpr int proxy_row_of_token(int t, int m, int rows = kStepRows) {
+  const int c = t % step_tokens_per_quad(m, rows);
+  return 8 * (c / 2) + 2 * (t / step_tokens_per_quad(m, rows)) + c % 2;
 }
 
 // The KL-only dense schedule (pipelined_kernel.cuh, kKlOnly). Per (b, p) the tokens are cut into
@@ -163,6 +173,11 @@ constexpr DenseListPosition dense_list_position(int64_t list, int64_t lists_per_
   return at;
 }
 
+// KL-only mode: the staged tokens' dq_proxy rows go through the V tile (never loaded in this mode)
+// as fp32 rows of kHeadDim + 4 floats, so the accumulator stores are free of bank conflicts.
+constexpr int kDqProxyStageStride = kHeadDim + 4;
+static_assert(kFlushTokens * kDqProxyStageStride * 4 <= kKeys * kHeadDim * 2, "dq_proxy staging fits in the V tile");
+static_assert(kDqProxyStageStride * 4 % 16 == 0, "bulk copies need 16-byte aligned rows");
 // A stage's bytes: Q and dO (64 rows each) and the q_proxy rows, 16-bit, 128-byte swizzle.
 constexpr uint32_t kPipelinedStageBytes = (2 * kStepRows + kProxyRowsPerStage) * kHeadDim * 2;
 // dQ staging inside a consumed stage: the step's 64 rows in fp32, whole 512-byte rows (both consumer
@@ -183,10 +198,11 @@ constexpr uint32_t kDqStageBytes = kStepRows * kDqStageRowBytes + 3 * kDqQuadPad
 static_assert(kDqStageBytes <= kPipelinedStageBytes, "dQ staging must fit in a consumed stage");
 static_assert(kPipelinedStageBytes % 1024 == 0, "stages keep the 128-byte swizzle's 1024-byte alignment");
 
-// Per-stage metadata written by the producer, read by the consumers.
-struct StepMeta {
-  float lse[kStepRows];          // LSE · log2(e) per step row; +inf for padding rows (P = 0)
-  float delta[kStepRows];        // Δ per step row
+// Per-stage metadata written by the producer, read by the consumers, for steps of kRows rows.
+template <int kRows>
+struct StepMetaOf {
+  float lse[kRows];              // LSE · log2(e) per step row; +inf for padding rows (P = 0)
+  float delta[kRows];            // Δ per step row
   int32_t token[kMaxStepTokens]; // query position per step token; -1 for padding
   int32_t slot[kMaxStepTokens];
   float proxy_lse[kMaxStepTokens];  // proxy LSE · log2(e); +inf for padding
@@ -196,6 +212,7 @@ struct StepMeta {
   int32_t b, kv_head, block, proxy_head;  // the key decoded (forward::decode_list_key)
   int32_t unused;
 };
+using StepMeta = StepMetaOf<kStepRows>;
 constexpr int kStepListLast = 1;  // the next step belongs to another list (or there is none)
 constexpr int kStepUnitLast = 2;  // … to another (chunk, b, g, c): dK and dV are flushed
 constexpr int kStepLast = 4;      // the CTA's last step
@@ -212,7 +229,7 @@ struct PipelinedLayout {
   uint32_t meta = 0;              // (stage) StepMeta
   uint32_t kl = 0;                // fp32 (2 warpgroups, 4 warps, 32 tokens): KL partial sums
   uint32_t flush_token = 0;       // int32 (32): query position of each staged token
-  uint32_t rows = 0;              // int32 (64 + 64 + 32): step row -> token, head; proxy row -> token
+  uint32_t rows = 0;              // int32 (R + R + 32, R ≤ 128): step row -> token, head; proxy row -> token
   uint32_t barriers = 0;
   uint32_t total = 0;             // bytes to request, including the alignment slack
 };
@@ -236,13 +253,13 @@ inline PipelinedLayout make_pipelined_layout() {
   layout.qp_flush = at;
   at += kFlushTokens * kHeadDim * 2;
   layout.meta = at;
-  at += kPipelinedStages * uint32_t(sizeof(StepMeta));
+  at += kPipelinedStages * uint32_t(sizeof(StepMetaOf<kKlOnlyStepRows>));
   layout.kl = at;
   at += 2 * 4 * kMaxStepTokens * 4;
   layout.flush_token = at;
   at += kFlushTokens * 4;
   layout.rows = at;
-  at += (2 * kStepRows + kProxyRowsPerStage) * 4;
+  at += (2 * kKlOnlyStepRows + kProxyRowsPerStage) * 4;
   layout.barriers = at;
   at += (2 * kPipelinedStages + 1) * 8;
   layout.total = at + 1024;

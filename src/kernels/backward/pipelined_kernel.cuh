@@ -123,9 +123,10 @@ __device__ __forceinline__ DenseList dense_list(int64_t list, const Args& args) 
 template <typename Element, int kM, bool kKlOnly>
 __global__ void __launch_bounds__(kPipelinedThreads, 1)
     backward_pipelined(const PipelinedArgs<Element> args, const PipelinedLayout layout) {
-  constexpr int kT = step_tokens_per_quad(kM);
-  constexpr int kStepTokens = step_tokens(kM);
-  constexpr int kProxyCols = proxy_columns(kM);
+  constexpr int kRows = step_rows(kKlOnly, kM);  // gathered main rows per step
+  constexpr int kT = step_tokens_per_quad(kM, kRows);
+  constexpr int kStepTokens = step_tokens(kM, kRows);
+  constexpr int kProxyCols = proxy_columns(kM, kRows);
   constexpr int kRowElements = kStepRows * kHeadDim;
   constexpr int kStageElements = int(kPipelinedStageBytes / 2);
   using Mma128 = ptx::Wgmma64x128x16<Element>;
@@ -142,12 +143,12 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
   Element* ds_tile = reinterpret_cast<Element*>(smem + layout.ds);
   Element* g_tile = reinterpret_cast<Element*>(smem + layout.g);
   Element* qp_flush = reinterpret_cast<Element*>(smem + layout.qp_flush);
-  StepMeta* meta = reinterpret_cast<StepMeta*>(smem + layout.meta);
+  StepMetaOf<kRows>* meta = reinterpret_cast<StepMetaOf<kRows>*>(smem + layout.meta);
   float* kl_parts = reinterpret_cast<float*>(smem + layout.kl);  // (warpgroup, warp, token)
   int32_t* flush_token = reinterpret_cast<int32_t*>(smem + layout.flush_token);
   int32_t* row_token = reinterpret_cast<int32_t*>(smem + layout.rows);  // step row -> token in step
-  int32_t* row_head = row_token + kStepRows;                              // step row -> head in group
-  int32_t* proxy_row_tokens = row_head + kStepRows;                        // proxy row -> token in step
+  int32_t* row_head = row_token + kRows;                                  // step row -> head in group
+  int32_t* proxy_row_tokens = row_head + kRows;                            // proxy row -> token in step
   uint64_t* barriers = reinterpret_cast<uint64_t*>(smem + layout.barriers);
   uint64_t* q_full = barriers;
   uint64_t* q_empty = barriers + kPipelinedStages;
@@ -161,15 +162,30 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
     ptx::mbarrier_init(kv_full, kPipelinedProducerThreads);
     ptx::fence_barrier_init();
   }
-  if (threadIdx.x < kStepRows) {
-    row_token[threadIdx.x] = step_row_token(threadIdx.x, kM);
-    row_head[threadIdx.x] = step_row_head(threadIdx.x, kM);
-  } else if (threadIdx.x < kStepRows + kProxyRowsPerStage) {
-    proxy_row_tokens[threadIdx.x - kStepRows] = proxy_row_token(threadIdx.x - kStepRows, kM);
-  } else if (threadIdx.x >= 128) {
+  auto zero_g = [&]() {
     // π − t of unused staged columns must be finite: they meet zero q_proxy rows.
     for (int i = threadIdx.x - 128; i < kKeys * 64 / 8; i += 256) {
       reinterpret_cast<uint4*>(g_tile)[i] = make_uint4(0, 0, 0, 0);
+    }
+  };
+  if constexpr (kRows == kStepRows) {
+    if (threadIdx.x < kRows) {
+      row_token[threadIdx.x] = step_row_token(threadIdx.x, kM);
+      row_head[threadIdx.x] = step_row_head(threadIdx.x, kM);
+    } else if (threadIdx.x < kRows + kProxyRowsPerStage) {
+      proxy_row_tokens[threadIdx.x - kRows] = proxy_row_token(threadIdx.x - kRows, kM);
+    } else if (threadIdx.x >= 128) {
+      zero_g();
+    }
+  } else {
+    if (threadIdx.x < kRows) {
+      row_token[threadIdx.x] = step_row_token(threadIdx.x, kM, kRows);
+      row_head[threadIdx.x] = step_row_head(threadIdx.x, kM);
+      if (threadIdx.x < kProxyRowsPerStage) {
+        proxy_row_tokens[threadIdx.x] = proxy_row_token(threadIdx.x, kM, kRows);
+      }
+    } else {
+      zero_g();
     }
   }
   __syncthreads();
@@ -193,7 +209,7 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
 
   if (warpgroup == 0) {
     // ===================================== producer =====================================
-    ptx::warpgroup_registers_decrease<kPipelinedProducerRegisters>();
+    ptx::warpgroup_registers_decrease<kKlOnly ? kKlOnlyProducerRegisters : kPipelinedProducerRegisters>();
     const int thread = threadIdx.x;
     const int chunk = thread & 15;
     const int first_row = thread >> 4;  // rows first_row + 8·i
@@ -211,7 +227,7 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
     // is free and stored after the gathers are issued.
     auto load_entries = [&](const uint4& at_tile, int k, uint32_t* token_entry, uint32_t* row_entry) {
       const int count = min(kStepTokens, int(at_tile.z) - k * kStepTokens);
-      const int local = thread < kStepRows ? row_token[thread] : kStepTokens;
+      const int local = thread < kRows ? row_token[thread] : kStepTokens;
       if constexpr (kKlOnly) {
         // Dense lists hold consecutive tokens from at_tile.y, all in slot 0.
         const uint32_t base = at_tile.y + uint32_t(k * kStepTokens);
@@ -282,7 +298,7 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
           // K, V and k_proxy are overwritten only after the previous step is done.
           ptx::mbarrier_wait(&q_empty[(step - 1) % kPipelinedStages], ((step - 1) / kPipelinedStages) & 1);
         }
-        StepMeta& m = meta[s];
+        StepMetaOf<kRows>& m = meta[s];
         if (thread < kMaxStepTokens) {
           m.token[thread] = token;
           m.slot[thread] = int(token_entry & ((1u << schedule::kSlotBits) - 1));
@@ -318,14 +334,14 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
         // step and head first_row % 2 + 2i % M of the group: the token and head offsets of a copy
         // are compile-time constants plus this thread's first token and head.
         {
-          Element* q_dst = q_stages + s * kStageElements + sw128_offset(kStepRows, first_row, chunk);
+          Element* q_dst = q_stages + s * kStageElements + sw128_offset(kRows, first_row, chunk);
           Element* do_dst = do_stages + s * kStageElements + sw128_offset(kStepRows, first_row, chunk);
           const int first_token = (first_row / 2) * kT;
           const int head = key.proxy_head * kM + first_row % 2;
           const Element* q_head = args.q.row(key.b, 0, head) + chunk * 8;
           const Element* do_head = args.dout.row(key.b, 0, head) + chunk * 8;
 #pragma unroll
-          for (int i = 0; i < kStepRows / 8; ++i) {
+          for (int i = 0; i < kRows / 8; ++i) {
             static_assert(kM % 2 == 0, "rows 2i and 2i + 1 of a column pair share their token");
             const int local = first_token + 2 * i / kM;
             const bool valid = local < count;
@@ -348,7 +364,7 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
           }
         }
         if (thread < kMaxStepTokens) m.proxy_lse[thread] = plse * kLog2e;
-        if (thread < kStepRows) {
+        if (thread < kRows) {
           m.lse[thread] = lse * kLog2e;
           m.delta[thread] = delta;
         }
@@ -372,7 +388,7 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
   }
 
   // ===================================== consumers =====================================
-  ptx::warpgroup_registers_increase<kPipelinedConsumerRegisters>();
+  ptx::warpgroup_registers_increase<kKlOnly ? kKlOnlyConsumerRegisters : kPipelinedConsumerRegisters>();
   const int consumer = warpgroup - 1;            // keys [64·consumer, 64·consumer + 64)
   const int wg_thread = threadIdx.x & 127;
   const int consumer_thread = threadIdx.x - 128;  // 0 … 255
@@ -417,12 +433,13 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
   uint32_t last_key = 0xffffffffu;
   int lists_seen = 0;
   int staged = 0;  // tokens of (π − t, q_proxy) staged for the proxy gradients
+  bool flushed = false;  // KL-only: the previous step flushed the staged tokens
 
   for (int step = 0;; ++step) {
     const int s = step % kPipelinedStages;
     if (num_tiles == 0) break;
     ptx::mbarrier_wait(&q_full[s], (step / kPipelinedStages) & 1);
-    const StepMeta& m = meta[s];
+    const StepMetaOf<kRows>& m = meta[s];
     const uint32_t key_value = m.key;
     const int count = m.count;
     const int flags = m.flags;
@@ -443,11 +460,11 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
     const Element* qp_tile = qp_stages + s * kStageElements;
 
     // ---- Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ, proxy scores (async) --------------------------------------------
-    float score[32];
+    float score[kRows / 2];
     float dprob[32];
     float proxy[kProxyCols / 2];
     ptx::wgmma_fence();
-    key_gemm(score, k_tile, q_tile, kStepRows);
+    key_gemm(score, k_tile, q_tile, kRows);
     if constexpr (!kKlOnly) key_gemm(dprob, v_tile, do_tile, kStepRows);
     ptx::wgmma_commit_group();
     if (args.with_kl) {
@@ -466,9 +483,9 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
 #pragma unroll
       for (int i = 0; i < kT; ++i) teacher[h][i] = 0.f;
     }
-    // Three passes, so the 32 exponentials issue back to back and the mask costs one uniform branch.
+    // Three passes, so the exponentials issue back to back and the mask costs one uniform branch.
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
+    for (int j = 0; j < kRows / 8; ++j) {
       const float2 lse = *reinterpret_cast<const float2*>(&m.lse[8 * j + 2 * quad]);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
@@ -481,7 +498,7 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
     }
     if (need_mask) {
 #pragma unroll
-      for (int j = 0; j < 8; ++j) {
+      for (int j = 0; j < kRows / 8; ++j) {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int local = row_token[8 * j + 2 * quad + e];
@@ -494,7 +511,7 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
       }
     }
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
+    for (int j = 0; j < kRows / 8; ++j) {
       const float2 delta = *reinterpret_cast<const float2*>(&m.delta[8 * j + 2 * quad]);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
@@ -502,7 +519,7 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
         for (int e = 0; e < 2; ++e) {
           const int index = 4 * j + 2 * h + e;
           const float p = score[index];
-          dprob[index] = p * (dprob[index] - (e ? delta.y : delta.x));
+          if constexpr (!kKlOnly) dprob[index] = p * (dprob[index] - (e ? delta.y : delta.x));
           teacher[h][(2 * j + e) / kM] += p;
         }
       }
@@ -541,9 +558,9 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
 #pragma unroll
       for (int k_step = 0; k_step < 4; ++k_step) ptx::stmatrix_x4_trans(ds_address + k_step * 16 * 128, ds_frag[k_step]);
     } else {
-      // Both warpgroups finished the previous step first: its proxy GEMMs read g, the staged q_proxy
-      // rows and the KL partials that this step overwrites.
-      if (step > 0) ptx::named_barrier_sync(kStepBarrier, 256);
+      // Steps between two flushes write disjoint columns of g, rows of the staged q_proxy and KL
+      // partials; only the step after a flush waits for both warpgroups to be done reading them.
+      if (flushed) ptx::named_barrier_sync(kStepBarrier, 256);
     }
 
     // ---- KL: π, g = π − t, the KL terms; g and the q_proxy rows staged --------------------------------
@@ -577,36 +594,157 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
         kl[i] += __shfl_xor_sync(0xffffffffu, kl[i], 4);
         kl[i] += __shfl_xor_sync(0xffffffffu, kl[i], 8);
         kl[i] += __shfl_xor_sync(0xffffffffu, kl[i], 16);
-        if (lane < 4) kl_parts[(consumer * 4 + warp) * kMaxStepTokens + quad * kT + i] = kl[i];
+        // KL-only: per staged token, summed when the staged tokens are flushed.
+        const int column = (kKlOnly ? staged : 0) + quad * kT + i;
+        if (lane < 4) kl_parts[(consumer * 4 + warp) * kMaxStepTokens + column] = kl[i];
       }
       if (args.with_kl_grad) {
-        // The step's q_proxy rows to staged rows staged + token (zeros for padding tokens, and for
-        // every row past the step when a new stage begins).
-        const int rows = staged == 0 ? kFlushTokens : kStepTokens;
-        for (int index = consumer_thread; index < rows * 16; index += 256) {
-          const int local = index / 16;
-          const int chunk = index % 16;
-          uint4 value = make_uint4(0, 0, 0, 0);
-          if (local < count) {
-            const int n = proxy_row_of_token(local, kM);
-            value = *reinterpret_cast<const uint4*>(qp_tile + sw128_offset(kProxyRowsPerStage, n, chunk));
+        if constexpr (kKlOnly) {
+          // Staged row r, chunk c is always copied by thread (16r + c) % 256, so the steps of one
+          // flush need no barrier between them: all rows when it begins (zeros past the step), then
+          // the step's rows.
+          for (int index = consumer_thread; index < kFlushTokens * 16; index += 256) {
+            const int row = index / 16;
+            const int local = row - staged;
+            if (staged > 0 && local >= kStepTokens) continue;
+            if (local < 0) continue;
+            const int chunk = index % 16;
+            uint4 value = make_uint4(0, 0, 0, 0);
+            if (local < count) {
+              const int n = proxy_row_of_token(local, kM, kRows);
+              value = *reinterpret_cast<const uint4*>(qp_tile + sw128_offset(kProxyRowsPerStage, n, chunk));
+            }
+            *reinterpret_cast<uint4*>(qp_flush + sw128_offset(kFlushTokens, row, chunk)) = value;
           }
-          *reinterpret_cast<uint4*>(qp_flush + sw128_offset(kFlushTokens, staged + local, chunk)) = value;
+        } else {
+          // The step's q_proxy rows to staged rows staged + token (zeros for padding tokens, and for
+          // every row past the step when a new stage begins).
+          const int rows = staged == 0 ? kFlushTokens : kStepTokens;
+          for (int index = consumer_thread; index < rows * 16; index += 256) {
+            const int local = index / 16;
+            const int chunk = index % 16;
+            uint4 value = make_uint4(0, 0, 0, 0);
+            if (local < count) {
+              const int n = proxy_row_of_token(local, kM);
+              value = *reinterpret_cast<const uint4*>(qp_tile + sw128_offset(kProxyRowsPerStage, n, chunk));
+            }
+            *reinterpret_cast<uint4*>(qp_flush + sw128_offset(kFlushTokens, staged + local, chunk)) = value;
+          }
+          if (consumer_thread < kStepTokens) flush_token[staged + consumer_thread] = m.token[consumer_thread];
         }
-        if (consumer_thread < kStepTokens) flush_token[staged + consumer_thread] = m.token[consumer_thread];
       }
+      if (kKlOnly && consumer_thread < kStepTokens) flush_token[staged + consumer_thread] = m.token[consumer_thread];
+    }
+    if constexpr (kKlOnly) {
+      // ---- KL-only: the staged tokens are flushed every kFlushTokens tokens and at the list's end ----
+      // Between flushes the stage is released right after the KL terms (nothing reads it later).
+      staged += count;
+      flushed = (flags & kStepListLast) || staged + kStepTokens > kFlushTokens;
+      if (!flushed) {
+        ptx::mbarrier_arrive(&q_empty[s]);
+        continue;
+      }
+      // The previous flush's dq_proxy bulk reads of the staging (below) are done long before.
+      if (lane < 4) ptx::bulk_wait_group_read<0>();
+      ptx::fence_proxy_async_shared();  // g and the staged rows are wgmma operands
+      ptx::named_barrier_sync(kMidBarrier, 256);
+      // k_proxy is read below; the producer replaces it only after the list's last step.
+      if (!(flags & kStepListLast)) ptx::mbarrier_arrive(&q_empty[s]);
+      const int64_t proxy_bh = int64_t(key.b) * args.num_proxy_heads + key.proxy_head;
+      if (consumer_thread < staged) {
+        // One KL term per (token, list), added to the token's row.
+        float sum = 0.f;
+#pragma unroll
+        for (int w = 0; w < 8; ++w) sum += kl_parts[w * kMaxStepTokens + consumer_thread];
+        const int token = flush_token[consumer_thread];
+        if (token >= 0) atomicAdd(args.kl_rows + proxy_bh * args.seqlen + token, sum);
+      }
+      if (args.with_kl_grad) {
+        // dk_proxy[keys] += g·q̃ over the whole list, in the registers the sparse mode gives dK:
+        // A = g (keys × tokens, K-major), B = staged q̃ (tokens × di, MN-major). Stale g columns
+        // past the staged tokens meet zero q̃ rows.
+        ptx::wgmma_fence();
+#pragma unroll
+        for (int k_step = 0; k_step < kFlushTokens / 16; ++k_step) {
+          const uint64_t desc_g =
+              ptx::advance_desc(ptx::make_sw128_kmajor_desc(g_tile + consumer * 64 * 64), k_step * 32);
+          const uint64_t desc_qp = ptx::make_sw128_mnmajor_desc(qp_flush + k_step * 16 * 64, kFlushTokens * 128);
+          ptx::WgmmaSS<Element, 128, 0, 1>::run(dk, desc_g, desc_qp, 1u);
+        }
+        ptx::wgmma_commit_group();
+        // dq_proxyᵀ[dims] = k̃ᵀ·gᵀ: A = k̃ (di × keys, MN-major), B = g (keys × tokens, MN-major).
+        float acc[32];
+#pragma unroll
+        for (int k_step = 0; k_step < kKeys / 16; ++k_step) {
+          const uint64_t desc_kp =
+              ptx::make_sw128_mnmajor_desc(kp_tile + consumer * kKeys * 64 + k_step * 16 * 64, kKeys * 128);
+          const uint64_t desc_g = ptx::make_sw128_mnmajor_desc(g_tile + k_step * 16 * 64, kKeys * 128);
+          ptx::WgmmaSS<Element, 64, 1, 1>::run(acc, desc_kp, desc_g, k_step > 0 ? 1u : 0u);
+        }
+        ptx::wgmma_commit_group();
+        ptx::wgmma_wait_group<0>();
+        ptx::fence_accumulators(dk);
+        ptx::fence_accumulators(acc);
+        // The staged tokens' dq_proxy rows (accumulator columns < kFlushTokens; the N = 64 product's
+        // upper half is unused) to fp32 rows of the V tile, which this mode never loads; then one
+        // 512-byte bulk reduce-add per token, by lane t / 8 of consumer warp t % 8.
+        float* dqp_stage = reinterpret_cast<float*>(v_tile);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int dim = consumer * 64 + warp * 16 + lane / 4 + 8 * h;
+#pragma unroll
+          for (int j = 0; j < kFlushTokens / 8; ++j) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              dqp_stage[(8 * j + 2 * quad + e) * kDqProxyStageStride + dim] = acc[4 * j + 2 * h + e];
+            }
+          }
+        }
+        ptx::fence_proxy_async_shared();
+        ptx::named_barrier_sync(kDqBarrier, 256);
+        if (lane < 4) {
+          const int column = (consumer * 4 + warp) + 8 * lane;
+          const int token = column < staged ? flush_token[column] : -1;
+          if (token >= 0) {
+            ptx::bulk_reduce_add_f32(args.dq_proxy_accum + ((int64_t(key.b) * args.seqlen + token) *
+                                                                args.num_proxy_heads + key.proxy_head) * kHeadDim,
+                                     dqp_stage + column * kDqProxyStageStride, kHeadDim * 4);
+          }
+          ptx::bulk_commit_group();
+        }
+        if (flags & kStepListLast) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int key_pos = first_key + key_row0 + 8 * h;
+            if (key_pos < args.seqlen) {
+              float* row = args.dk_proxy_accum +
+                           ((int64_t(key.b) * args.seqlen + key_pos) * args.num_proxy_heads + key.proxy_head) *
+                               kHeadDim + 2 * quad;
+#pragma unroll
+              for (int j = 0; j < 16; ++j) reduce_add2(row + 8 * j, dk[4 * j + 2 * h], dk[4 * j + 2 * h + 1]);
+            }
+          }
+#pragma unroll
+          for (int i = 0; i < 64; ++i) dk[i] = 0.f;
+        }
+      }
+      staged = 0;
+      if (flags & kStepListLast) ptx::mbarrier_arrive(&q_empty[s]);
+      if (flags & kStepLast) {
+        if (lane < 4) ptx::bulk_wait_group<0>();
+        break;
+      }
+      continue;
     }
     // dV and dK complete before the barrier: their register operands (P, dS) are then free for the
     // dQ accumulators, and after the barrier neither warpgroup reads this step's Q or dO again, so
     // the stage can take the dQ staging.
     ptx::wgmma_wait_group<0>();
-    if constexpr (!kKlOnly) {
-      ptx::fence_accumulators(dk);
-      ptx::fence_accumulators(dv);
-    }
+    ptx::fence_accumulators(dk);
+    ptx::fence_accumulators(dv);
     ptx::fence_proxy_async_shared();  // dS, g and the staged rows are wgmma operands
     ptx::named_barrier_sync(kMidBarrier, 256);
-    if constexpr (!kKlOnly) {
+    {
       // ---- dQ = dS·K: this warpgroup's 64 dims, K MN-major ----------------------------------------------
       float dq[32];
       ptx::wgmma_fence();
@@ -652,20 +790,7 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
         }
         ptx::bulk_commit_group();
       }
-    } else if (args.with_kl && consumer == 0 && wg_thread < count) {
-      // One term per token and list: added to the token's row in place of a per-slot store.
-      float sum = 0.f;
-#pragma unroll
-      for (int w = 0; w < 8; ++w) sum += kl_parts[w * kMaxStepTokens + wg_thread];
-      atomicAdd(args.kl_rows + (int64_t(key.b) * args.num_proxy_heads + key.proxy_head) * args.seqlen +
-                    m.token[wg_thread],
-                sum);
     }
-    // KL-only: nothing reads the stage or its metadata after this point, so it is released here,
-    // unless the step ends its list: the proxy gradients below read k_proxy, which the producer
-    // replaces for the next list once this step is released.
-    const bool release_early = kKlOnly && !(flags & kStepListLast);
-    if (release_early) ptx::mbarrier_arrive(&q_empty[s]);
     if (args.with_kl_grad) staged += count;
 
     // ---- proxy gradients of the staged tokens ---------------------------------------------------------
@@ -730,13 +855,11 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
       }
       staged = 0;
     }
-    if constexpr (!kKlOnly) {
-      if (lane < kDqIssueLanes) ptx::bulk_wait_group_read<0>();
-    }
-    if (!release_early) ptx::mbarrier_arrive(&q_empty[s]);
+    if (lane < kDqIssueLanes) ptx::bulk_wait_group_read<0>();
+    ptx::mbarrier_arrive(&q_empty[s]);
 
     // ---- dK, dV of the unit: reduce-added when it ends --------------------------------------------------
-    if (!kKlOnly && (flags & kStepUnitLast)) {
+    if (flags & kStepUnitLast) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int key_pos = first_key + key_row0 + 8 * h;
@@ -757,9 +880,7 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
       }
     }
     if (flags & kStepLast) {
-      if constexpr (!kKlOnly) {
-        if (lane < kDqIssueLanes) ptx::bulk_wait_group<0>();
-      }
+      if (lane < kDqIssueLanes) ptx::bulk_wait_group<0>();
       break;
     }
   }
