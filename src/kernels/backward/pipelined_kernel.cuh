@@ -403,6 +403,9 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
   constexpr uint32_t kMidBarrier = 2;   // dS, g, staged rows, KL partials written by both
   constexpr uint32_t kStepBarrier = 3;  // both warpgroups done with the previous step
   constexpr uint32_t kDqBarrier = 4;    // the step's dQ rows staged by both
+  // KL-only: the warpgroups take turns issuing Sᵀ (warpgroup c waits on barrier kTurnBarrier + c,
+  // then lets the other go), so one's product runs under the other's exponentials.
+  constexpr uint32_t kTurnBarrier = 5;
   constexpr int kDqIssueLanes = (kStepTokens + 7) / 8;  // tokens per consumer warp, rounded up
   // This thread's two accumulator rows (warp·16 + lane/4 + 8h) in the dQ staging.
   const uint32_t dq_row_offset[2] = {dq_stage_row_offset(warp * 16 + lane / 4, kM),
@@ -434,6 +437,9 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
   int lists_seen = 0;
   int staged = 0;  // tokens of (π − t, q_proxy) staged for the proxy gradients
   bool flushed = false;  // KL-only: the previous step flushed the staged tokens
+  // Warpgroup 0 takes the first turn; every later turn is handed over after an issue, except the
+  // last one of warpgroup 1, so each barrier sees as many arrivals as waits.
+  if (kKlOnly && consumer == 1 && num_tiles > 0) ptx::named_barrier_arrive(kTurnBarrier, 256);
 
   for (int step = 0;; ++step) {
     const int s = step % kPipelinedStages;
@@ -463,6 +469,7 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
     float score[kRows / 2];
     float dprob[32];
     float proxy[kProxyCols / 2];
+    if constexpr (kKlOnly) ptx::named_barrier_sync(kTurnBarrier + consumer, 256);
     ptx::wgmma_fence();
     key_gemm(score, k_tile, q_tile, kRows);
     if constexpr (!kKlOnly) key_gemm(dprob, v_tile, do_tile, kStepRows);
@@ -470,6 +477,9 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
     if (args.with_kl) {
       key_gemm(proxy, kp_tile, qp_tile, kProxyRowsPerStage);
       ptx::wgmma_commit_group();
+    }
+    if constexpr (kKlOnly) {
+      if (consumer == 0 || !(flags & kStepLast)) ptx::named_barrier_arrive(kTurnBarrier + 1 - consumer, 256);
     }
     ptx::wgmma_wait_group<0>();
     ptx::fence_accumulators(score);
