@@ -433,6 +433,40 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
       ptx::WgmmaSS<Element, kN>::run(acc, desc_a, desc_b, k_step > 0 ? 1u : 0u);
     }
   };
+  // dk_proxy[keys] (+)= g·q̃ over the staged tokens: A = g (keys × tokens, K-major), B = the staged
+  // q̃ rows (tokens × di, MN-major); keep = 1 adds to acc.
+  auto dk_proxy_product = [&](float (&acc)[64], uint32_t keep) {
+#pragma unroll
+    for (int k_step = 0; k_step < kFlushTokens / 16; ++k_step) {
+      const uint64_t desc_g = ptx::advance_desc(ptx::make_sw128_kmajor_desc(g_tile + consumer * 64 * 64), k_step * 32);
+      const uint64_t desc_qp = ptx::make_sw128_mnmajor_desc(qp_flush + k_step * 16 * 64, kFlushTokens * 128);
+      ptx::WgmmaSS<Element, 128, 0, 1>::run(acc, desc_g, desc_qp, k_step > 0 ? 1u : keep);
+    }
+  };
+  // dq_proxyᵀ[dims] = k̃ᵀ·gᵀ: A = k̃ (di × keys, MN-major), B = g (keys × tokens, MN-major).
+  auto dq_proxy_product = [&](float (&acc)[32]) {
+#pragma unroll
+    for (int k_step = 0; k_step < kKeys / 16; ++k_step) {
+      const uint64_t desc_kp =
+          ptx::make_sw128_mnmajor_desc(kp_tile + consumer * kKeys * 64 + k_step * 16 * 64, kKeys * 128);
+      const uint64_t desc_g = ptx::make_sw128_mnmajor_desc(g_tile + k_step * 16 * 64, kKeys * 128);
+      ptx::WgmmaSS<Element, 64, 1, 1>::run(acc, desc_kp, desc_g, k_step > 0 ? 1u : 0u);
+    }
+  };
+  // This warpgroup's 64 keys × 128 dims of dk_proxy reduce-added to the proxy head's rows.
+  auto reduce_add_dk_proxy = [&](const float (&acc)[64], const ListKey& key, int first_key) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int key_pos = first_key + key_row0 + 8 * h;
+      if (key_pos < args.seqlen) {
+        float* row = args.dk_proxy_accum +
+                     ((int64_t(key.b) * args.seqlen + key_pos) * args.num_proxy_heads + key.proxy_head) * kHeadDim +
+                     2 * quad;
+#pragma unroll
+        for (int j = 0; j < 16; ++j) reduce_add2(row + 8 * j, acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+      }
+    }
+  };
   uint32_t last_key = 0xffffffffu;
   int lists_seen = 0;
   int staged = 0;  // tokens of (π − t, q_proxy) staged for the proxy gradients
@@ -670,27 +704,13 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
         if (token >= 0) atomicAdd(args.kl_rows + proxy_bh * args.seqlen + token, sum);
       }
       if (args.with_kl_grad) {
-        // dk_proxy[keys] += g·q̃ over the whole list, in the registers the sparse mode gives dK:
-        // A = g (keys × tokens, K-major), B = staged q̃ (tokens × di, MN-major). Stale g columns
-        // past the staged tokens meet zero q̃ rows.
+        // dk_proxy over the whole list accumulates in the registers the sparse mode gives dK (stale
+        // g columns past the staged tokens meet zero q̃ rows); dq_proxy of the staged tokens.
         ptx::wgmma_fence();
-#pragma unroll
-        for (int k_step = 0; k_step < kFlushTokens / 16; ++k_step) {
-          const uint64_t desc_g =
-              ptx::advance_desc(ptx::make_sw128_kmajor_desc(g_tile + consumer * 64 * 64), k_step * 32);
-          const uint64_t desc_qp = ptx::make_sw128_mnmajor_desc(qp_flush + k_step * 16 * 64, kFlushTokens * 128);
-          ptx::WgmmaSS<Element, 128, 0, 1>::run(dk, desc_g, desc_qp, 1u);
-        }
+        dk_proxy_product(dk, 1u);
         ptx::wgmma_commit_group();
-        // dq_proxyᵀ[dims] = k̃ᵀ·gᵀ: A = k̃ (di × keys, MN-major), B = g (keys × tokens, MN-major).
         float acc[32];
-#pragma unroll
-        for (int k_step = 0; k_step < kKeys / 16; ++k_step) {
-          const uint64_t desc_kp =
-              ptx::make_sw128_mnmajor_desc(kp_tile + consumer * kKeys * 64 + k_step * 16 * 64, kKeys * 128);
-          const uint64_t desc_g = ptx::make_sw128_mnmajor_desc(g_tile + k_step * 16 * 64, kKeys * 128);
-          ptx::WgmmaSS<Element, 64, 1, 1>::run(acc, desc_kp, desc_g, k_step > 0 ? 1u : 0u);
-        }
+        dq_proxy_product(acc);
         ptx::wgmma_commit_group();
         ptx::wgmma_wait_group<0>();
         ptx::fence_accumulators(dk);
@@ -723,17 +743,7 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
           ptx::bulk_commit_group();
         }
         if (flags & kStepListLast) {
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const int key_pos = first_key + key_row0 + 8 * h;
-            if (key_pos < args.seqlen) {
-              float* row = args.dk_proxy_accum +
-                           ((int64_t(key.b) * args.seqlen + key_pos) * args.num_proxy_heads + key.proxy_head) *
-                               kHeadDim + 2 * quad;
-#pragma unroll
-              for (int j = 0; j < 16; ++j) reduce_add2(row + 8 * j, dk[4 * j + 2 * h], dk[4 * j + 2 * h + 1]);
-            }
-          }
+          reduce_add_dk_proxy(dk, key, first_key);
 #pragma unroll
           for (int i = 0; i < 64; ++i) dk[i] = 0.f;
         }
@@ -806,42 +816,18 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
     // ---- proxy gradients of the staged tokens ---------------------------------------------------------
     if (args.with_kl_grad && ((flags & kStepListLast) || staged + kStepTokens > kFlushTokens)) {
       {
-        // dk_proxy[keys] += g·q̃: A = g (keys × tokens, K-major), B = staged q̃ (tokens × di, MN-major)
         float acc[64];
         ptx::wgmma_fence();
-#pragma unroll
-        for (int k_step = 0; k_step < kFlushTokens / 16; ++k_step) {
-          const uint64_t desc_g =
-              ptx::advance_desc(ptx::make_sw128_kmajor_desc(g_tile + consumer * 64 * 64), k_step * 32);
-          const uint64_t desc_qp = ptx::make_sw128_mnmajor_desc(qp_flush + k_step * 16 * 64, kFlushTokens * 128);
-          ptx::WgmmaSS<Element, 128, 0, 1>::run(acc, desc_g, desc_qp, k_step > 0 ? 1u : 0u);
-        }
+        dk_proxy_product(acc, 0u);
         ptx::wgmma_commit_group();
         ptx::wgmma_wait_group<0>();
         ptx::fence_accumulators(acc);
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int key_pos = first_key + key_row0 + 8 * h;
-          if (key_pos < args.seqlen) {
-            float* row = args.dk_proxy_accum +
-                         ((int64_t(key.b) * args.seqlen + key_pos) * args.num_proxy_heads + key.proxy_head) * kHeadDim +
-                         2 * quad;
-#pragma unroll
-            for (int j = 0; j < 16; ++j) reduce_add2(row + 8 * j, acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
-          }
-        }
+        reduce_add_dk_proxy(acc, key, first_key);
       }
       {
-        // dq_proxyᵀ[dims] = k̃ᵀ·gᵀ: A = k̃ (di × keys, MN-major), B = g (keys × tokens, MN-major)
         float acc[32];
         ptx::wgmma_fence();
-#pragma unroll
-        for (int k_step = 0; k_step < kKeys / 16; ++k_step) {
-          const uint64_t desc_kp =
-              ptx::make_sw128_mnmajor_desc(kp_tile + consumer * kKeys * 64 + k_step * 16 * 64, kKeys * 128);
-          const uint64_t desc_g = ptx::make_sw128_mnmajor_desc(g_tile + k_step * 16 * 64, kKeys * 128);
-          ptx::WgmmaSS<Element, 64, 1, 1>::run(acc, desc_kp, desc_g, k_step > 0 ? 1u : 0u);
-        }
+        dq_proxy_product(acc);
         ptx::wgmma_commit_group();
         ptx::wgmma_wait_group<0>();
         ptx::fence_accumulators(acc);
