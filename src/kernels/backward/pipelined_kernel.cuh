@@ -345,7 +345,13 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
             static_assert(kM % 2 == 0, "rows 2i and 2i + 1 of a column pair share their token");
             const int local = first_token + 2 * i / kM;
             const bool valid = local < count;
-            const int64_t token = valid ? m.token[local] : 0;
+            int64_t token;
+            if constexpr (kKlOnly) {
+              // A dense step's tokens are consecutive from the step's first (no metadata read).
+              token = valid ? int64_t(tile.y) + int64_t(k) * kStepTokens + local : 0;
+            } else {
+              token = valid ? m.token[local] : 0;
+            }
             const int64_t head_offset = int64_t(2 * i % kM);
             const Element* q_src = q_head + token * args.q.seq_stride + head_offset * args.q.head_stride;
             const Element* do_src = do_head + token * args.dout.seq_stride + head_offset * args.dout.head_stride;
@@ -358,8 +364,12 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
           for (int n = first_row; n < kProxyCols; n += 8) {
             const int local = proxy_row_tokens[n];
             const bool valid = local >= 0 && local < count;
-            const Element* src =
-                valid ? args.q_proxy.row(key.b, m.token[local], key.proxy_head) + chunk * 8 : args.q_proxy.ptr;
+            const Element* src = args.q_proxy.ptr;
+            if constexpr (kKlOnly) {
+              if (valid) src = args.q_proxy.row(key.b, int(tile.y) + k * kStepTokens + local, key.proxy_head) + chunk * 8;
+            } else {
+              src = valid ? args.q_proxy.row(key.b, m.token[local], key.proxy_head) + chunk * 8 : args.q_proxy.ptr;
+            }
             ptx::cp_async_16(qp_dst + sw128_offset(kProxyRowsPerStage, n, chunk), src, valid);
           }
         }
@@ -625,7 +635,13 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
           float pi = exp2_approx(x);
           if (need_mask && first_key + key_row0 + 8 * h > token) pi = 0.f;
           const float t = teacher[h][i] * (1.f / kM);
-          if (t > 0.f) kl[i] += t * (__logf(t) - x * kLn2);
+          if constexpr (kKlOnly) {
+            // t·log t → 0 as t → 0: below 2^-100 the term (< 2^-93) is dropped, which keeps the
+            // one-instruction log2 off denormals and the sum free of a branch.
+            kl[i] += t > 0x1p-100f ? t * ((log2_approx(t) - x) * kLn2) : 0.f;
+          } else {
+            if (t > 0.f) kl[i] += t * (__logf(t) - x * kLn2);
+          }
           if (args.with_kl_grad) {
             const int key_local = consumer * 64 + warp * 16 + lane / 4 + 8 * h;
             g_tile[sw128_offset(kKeys, key_local, (staged + local) / 8) + (staged + local) % 8] =
