@@ -118,8 +118,12 @@ __device__ __forceinline__ DenseList dense_list(int64_t list, const Args& args) 
   return out;
 }
 
-// kKlOnly: the KL-only dense mode. Only Sᵀ (for the teacher), the proxy scores, g, the KL terms and
-// the proxy gradients run; no dO, V, Δ, dQ, dK or dV.
+// kKlOnly: the KL-only dense mode (warmup with the main branch elsewhere). Only Sᵀ (for the teacher),
+// the proxy scores, g, the KL terms and the proxy gradients run; no dO, V, Δ, dQ, dK or dV. Its
+// steps have 128 rows for M ≥ 4 (config.h step_rows: Q fills the stage's dO half); dk_proxy
+// accumulates over the whole list in the registers of dK; dq_proxy is staged in the V tile and
+// reduce-added in bulk; the named barriers run only where staged tokens are flushed, and the two
+// consumer warpgroups take turns issuing Sᵀ.
 template <typename Element, int kM, bool kKlOnly>
 __global__ void __launch_bounds__(kPipelinedThreads, 1)
     backward_pipelined(const PipelinedArgs<Element> args, const PipelinedLayout layout) {
