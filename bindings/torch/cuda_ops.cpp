@@ -11,8 +11,6 @@
 #include <cuda_runtime_api.h>
 #include <torch/library.h>
 
-#include <cmath>
-
 #include "tensor_args.h"
 #include "warmup_cudnn.h"
 
@@ -47,10 +45,6 @@ void build_schedule(const ProblemShape& shape, const int32_t* block_idx, void* w
 }
 
 size_t align_256(size_t bytes) { return (bytes + 255) / 256 * 256; }
-
-double main_scale(const ForwardParams& params) {
-  return params.softmax_scale != 0.f ? double(params.softmax_scale) : 1.0 / std::sqrt(double(params.shape.head_dim));
-}
 
 // A 0-valued fp32 scalar on the device of `like`, zeroed on `stream`.
 // NOTES: one cudaMemsetAsync rather than at::zeros, whose fill kernel goes through TensorIterator
@@ -94,7 +88,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_cuda(
   // Warmup: O and LSE from cuDNN where it serves, flashmsa then adds the proxy LSE (warmup_cudnn.cpp).
   std::optional<CudnnForward> main;
   if (params.mode == Mode::kWarmup && warmup_main_on_cudnn(shape, deterministic)) {
-    main = cudnn_dense_forward(q, k, v, shape, main_scale(params));
+    main = cudnn_dense_forward(q, k, v, shape, effective_scale(params.softmax_scale, shape.head_dim));
   }
   params.main_branch = !main.has_value();
   const ForwardOutputs outputs = allocate_forward_outputs(params, q);
@@ -136,7 +130,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   // Warmup: dq, dk, dv from cuDNN where it serves, flashmsa then runs its KL-only backward.
   std::optional<CudnnGradients> main;
   if (params.fwd.mode == Mode::kWarmup && warmup_main_on_cudnn(shape, deterministic)) {
-    main = cudnn_dense_backward(dout_view, q, k, v, out, lse, shape, main_scale(params.fwd));
+    main = cudnn_dense_backward(dout_view, q, k, v, out, lse, shape,
+                                effective_scale(params.fwd.softmax_scale, shape.head_dim));
   }
   params.fwd.main_branch = !main.has_value();
   const InputGradients grads = allocate_backward_arguments(

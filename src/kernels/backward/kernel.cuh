@@ -617,11 +617,9 @@ inline Problem make_problem(const BackwardParams& params) {
   pb.ws.kl_sums = reinterpret_cast<float*>(base + layout.kl_sums);
   pb.num_blocks = shape.num_blocks();
   pb.num_chunks = ceil_div(shape.seqlen, kRowsPerChunk);
-  pb.softmax_scale = params.fwd.softmax_scale != 0.f ? params.fwd.softmax_scale
-                                                     : 1.f / std::sqrt(float(shape.head_dim));
+  pb.softmax_scale = float(effective_scale(params.fwd.softmax_scale, shape.head_dim));
   pb.scale_log2 = pb.softmax_scale * kLog2e;
-  pb.proxy_scale = params.fwd.proxy_scale != 0.f ? params.fwd.proxy_scale
-                                                 : 1.f / std::sqrt(float(shape.proxy_head_dim));
+  pb.proxy_scale = float(effective_scale(params.fwd.proxy_scale, shape.proxy_head_dim));
   pb.heads_per_proxy = shape.heads_per_proxy();
   pb.group_rows_per_slab = group_rows_per_slab(pb.heads_per_proxy);
   pb.group_rows_per_tile = group_rows_per_tile(pb.heads_per_proxy);

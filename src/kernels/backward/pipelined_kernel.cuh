@@ -64,6 +64,7 @@ namespace flashmsa::kernels::backward {
 using forward::decode_list_key;
 using forward::ListKey;
 using forward::load_key_block;
+using forward::set_shape_fields;
 using forward::sw128_offset;
 
 template <typename Element>
@@ -905,19 +906,6 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
 // ---------------------------------------------------------------------------------------------
 // Host side: one launch over every chunk's tiles of the forward's schedule (params.fwd.schedule).
 // ---------------------------------------------------------------------------------------------
-// The sizes and head maps every launch of the kernel sets alike.
-template <typename Element>
-void set_shape_fields(PipelinedArgs<Element>& args, const ProblemShape& shape) {
-  args.seqlen = int(shape.seqlen);
-  args.num_blocks = int(shape.num_blocks());
-  args.batch = int(shape.batch);
-  args.num_heads = shape.num_heads;
-  args.num_kv_heads = shape.num_kv_heads;
-  args.num_proxy_heads = shape.num_proxy_heads;
-  args.proxy_heads_per_kv = shape.num_proxy_heads / shape.num_kv_heads;
-  args.proxy_ratio = shape.proxy_ratio();
-}
-
 template <typename Element, int kM, bool kKlOnly = false>
 cudaError_t launch_pipelined_m(const PipelinedArgs<Element>& args, int device, int grid, cudaStream_t stream) {
   const PipelinedLayout layout = make_pipelined_layout();

@@ -3,7 +3,6 @@
 // dtype in instantiations/*.cu; the runtime -> template dispatch is forward/launch.cu.
 #pragma once
 
-#include <cmath>
 #include <string>
 
 #include "kernels/common/device_cache.h"
@@ -69,22 +68,14 @@ Status run_forward(const ForwardParams& params, cudaStream_t stream) {
   tile_args.partial_out = reinterpret_cast<Element*>(workspace + layout.partial_out);
   tile_args.partial_lse = reinterpret_cast<float*>(workspace + layout.partial_lse);
   tile_args.partial_proxy_lse = reinterpret_cast<float*>(workspace + layout.partial_proxy_lse);
-  tile_args.seqlen = int(shape.seqlen);
-  tile_args.num_blocks = int(shape.num_blocks());
-  tile_args.batch = int(shape.batch);
-  tile_args.num_heads = shape.num_heads;
-  tile_args.num_kv_heads = shape.num_kv_heads;
-  tile_args.num_proxy_heads = shape.num_proxy_heads;
+  set_shape_fields(tile_args, shape);
   tile_args.heads_per_proxy = shape.heads_per_proxy();
-  tile_args.proxy_heads_per_kv = shape.num_proxy_heads / shape.num_kv_heads;
-  tile_args.proxy_ratio = shape.proxy_ratio();
   tile_args.top_k = shape.top_k;
   tile_args.tokens_per_tile = schedule::tokens_per_tile(shape);
   tile_args.proxy_rows = proxy_rows(shape);
   constexpr double kLog2e = 1.4426950408889634;
-  const double scale = params.softmax_scale != 0.f ? params.softmax_scale : 1.0 / std::sqrt(double(shape.head_dim));
-  const double proxy_scale =
-      params.proxy_scale != 0.f ? params.proxy_scale : 1.0 / std::sqrt(double(shape.proxy_head_dim));
+  const double scale = effective_scale(params.softmax_scale, shape.head_dim);
+  const double proxy_scale = effective_scale(params.proxy_scale, shape.proxy_head_dim);
   tile_args.scale_log2 = float(scale * kLog2e);
   tile_args.proxy_scale_log2 = float(proxy_scale * kLog2e);
 

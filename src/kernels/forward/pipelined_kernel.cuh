@@ -63,6 +63,20 @@ __device__ __forceinline__ int sw128_offset(int rows_per_half, int row, int chun
   return (chunk >> 3) * rows_per_half * 64 + row * 64 + (((chunk & 7) ^ (row & 7)) << 3);
 }
 
+// The sizes and head maps that the pipelined kernels' argument blocks (forward and backward) read
+// alike, and that decode_list_key needs.
+template <typename Args>
+void set_shape_fields(Args& args, const ProblemShape& shape) {
+  args.seqlen = int(shape.seqlen);
+  args.num_blocks = int(shape.num_blocks());
+  args.batch = int(shape.batch);
+  args.num_heads = shape.num_heads;
+  args.num_kv_heads = shape.num_kv_heads;
+  args.num_proxy_heads = shape.num_proxy_heads;
+  args.proxy_heads_per_kv = shape.num_proxy_heads / shape.num_kv_heads;
+  args.proxy_ratio = shape.proxy_ratio();
+}
+
 // A schedule list key (schedule/config.h) decoded; `unit` is the key without the proxy head:
 // (chunk, b, g, c), whose lists share K and V. Args: any argument block with the four counts.
 struct ListKey {

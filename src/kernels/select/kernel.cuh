@@ -44,7 +44,6 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
 
 #include "flashmsa/api.h"
@@ -360,8 +359,7 @@ Status run_select(const SelectParams& params, cudaStream_t stream) {
     return {StatusCode::kUnsupported, "shape: select supports at most 2^31 tiles"};
   }
   kernel_params.num_tiles = int(num_tiles);
-  kernel_params.scale = params.proxy_scale != 0.f ? params.proxy_scale
-                                                  : 1.f / std::sqrt(float(shape.proxy_head_dim));
+  kernel_params.scale = float(effective_scale(params.proxy_scale, shape.proxy_head_dim));
 
   CUtensorMap query_map;
   CUtensorMap key_map;

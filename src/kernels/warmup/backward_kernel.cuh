@@ -664,11 +664,9 @@ Status run_backward(const BackwardParams& params, cudaStream_t stream) {
   args.dk_proxy_accum = reinterpret_cast<float*>(base + layout.dk_proxy_accum);
   args.kl_rows = reinterpret_cast<float*>(base + layout.kl_rows);
   args.kl_sums = reinterpret_cast<float*>(base + layout.kl_sums);
-  args.softmax_scale = params.fwd.softmax_scale != 0.f ? params.fwd.softmax_scale
-                                                       : 1.f / std::sqrt(float(shape.head_dim));
+  args.softmax_scale = float(effective_scale(params.fwd.softmax_scale, shape.head_dim));
   args.scale_log2 = args.softmax_scale * kLog2e;
-  args.proxy_scale = params.fwd.proxy_scale != 0.f ? params.fwd.proxy_scale
-                                                   : 1.f / std::sqrt(float(shape.proxy_head_dim));
+  args.proxy_scale = float(effective_scale(params.fwd.proxy_scale, shape.proxy_head_dim));
   args.heads_per_proxy = shape.heads_per_proxy();
   args.tokens_per_tile = kBackwardRows / args.heads_per_proxy;
   args.proxy_per_kv = shape.num_proxy_heads / shape.num_kv_heads;

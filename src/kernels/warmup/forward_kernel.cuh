@@ -260,10 +260,8 @@ Status run_forward(const ForwardParams& params, cudaStream_t stream) {
   if (shape.heads_per_proxy() > kMaxForwardHeadsPerProxy) {
     return {StatusCode::kUnsupported, "shape: the warmup forward needs heads per proxy head H/Hp ≤ 128"};
   }
-  const float softmax_scale =
-      params.softmax_scale != 0.f ? params.softmax_scale : 1.f / std::sqrt(float(shape.head_dim));
-  const float proxy_scale =
-      params.proxy_scale != 0.f ? params.proxy_scale : 1.f / std::sqrt(float(shape.proxy_head_dim));
+  const float softmax_scale = float(effective_scale(params.softmax_scale, shape.head_dim));
+  const float proxy_scale = float(effective_scale(params.proxy_scale, shape.proxy_head_dim));
 
   ForwardArgs<T> main_args;
   main_args.q = strided<const T>(params.q);
