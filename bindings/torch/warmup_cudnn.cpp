@@ -27,12 +27,10 @@ bool warmup_main_on_cudnn(const ProblemShape& shape, bool deterministic) {
 
 namespace {
 
-// [b, s, heads, d] -> the [b, h, s, d] view cuDNN takes, K and V repeated to all H heads (GQA).
+// [b, s, heads, d] -> the [b, heads, s, d] view cuDNN takes. K and V keep their Hkv heads: cuDNN's
+// attention graphs take GQA natively (each group of H/Hkv query heads reads one K/V head, and the
+// backward sums the group's dK, dV itself), so no H-head copy of K and V is written.
 at::Tensor head_major(const at::Tensor& x) { return x.transpose(1, 2); }
-
-at::Tensor repeated_to_heads(const at::Tensor& x, int64_t group) {
-  return group == 1 ? x : x.repeat_interleave(group, 2);
-}
 
 // `value` in a tensor with the size and strides of `like` (empty_like), copied only when needed.
 at::Tensor like_strides(const at::Tensor& value, const at::Tensor& like) {
@@ -45,9 +43,6 @@ at::Tensor like_strides(const at::Tensor& value, const at::Tensor& like) {
 CudnnGradients dense_backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                               const at::Tensor& out, const at::Tensor& lse, const ProblemShape& shape,
                               double softmax_scale) {
-  const int64_t group = shape.gqa_ratio();
-  const at::Tensor kx = repeated_to_heads(k, group);
-  const at::Tensor vx = repeated_to_heads(v, group);
   // cuDNN wants dO laid out as O; both [b, s, h, d] contiguous here.
   const at::Tensor dout_dense = dout.contiguous();
   const at::Tensor out_dense = out.contiguous();
@@ -55,20 +50,13 @@ CudnnGradients dense_backward(const at::Tensor& dout, const at::Tensor& q, const
   // Dropout is off: the random-state tensors are placeholders.
   const at::Tensor philox = at::empty({}, q.options().dtype(at::kLong));
   auto grads = at::_scaled_dot_product_cudnn_attention_backward(
-      head_major(dout_dense), head_major(q), head_major(kx), head_major(vx), head_major(out_dense), lse4,
+      head_major(dout_dense), head_major(q), head_major(k), head_major(v), head_major(out_dense), lse4,
       philox, philox, at::Tensor(), at::Tensor(), at::Tensor(), shape.seqlen, shape.seqlen,
       /*dropout_p=*/0.0, /*is_causal=*/true, softmax_scale);
-  const at::Tensor dq = std::get<0>(grads).transpose(1, 2);
-  // The H heads' dK, dV summed over each KV head's group, in head order.
-  auto grouped_sum = [&](const at::Tensor& full) {
-    const at::Tensor bshd = full.transpose(1, 2);
-    if (group == 1) return bshd;
-    return bshd.reshape({shape.batch, shape.seqlen, shape.num_kv_heads, group, shape.head_dim}).sum(3);
-  };
   CudnnGradients gradients;
-  gradients.dq = like_strides(dq, q);
-  gradients.dk = like_strides(grouped_sum(std::get<1>(grads)), k);
-  gradients.dv = like_strides(grouped_sum(std::get<2>(grads)), v);
+  gradients.dq = like_strides(std::get<0>(grads).transpose(1, 2), q);
+  gradients.dk = like_strides(std::get<1>(grads).transpose(1, 2), k);
+  gradients.dv = like_strides(std::get<2>(grads).transpose(1, 2), v);
   return gradients;
 }
 
@@ -76,12 +64,9 @@ CudnnGradients dense_backward(const at::Tensor& dout, const at::Tensor& q, const
 
 std::optional<CudnnForward> cudnn_dense_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                 const ProblemShape& shape, double softmax_scale) {
-  const int64_t group = shape.gqa_ratio();
   try {
-    const at::Tensor kx = repeated_to_heads(k, group);
-    const at::Tensor vx = repeated_to_heads(v, group);
     auto result = at::_scaled_dot_product_cudnn_attention(
-        head_major(q), head_major(kx), head_major(vx), std::nullopt, /*compute_log_sumexp=*/true,
+        head_major(q), head_major(k), head_major(v), std::nullopt, /*compute_log_sumexp=*/true,
         /*dropout_p=*/0.0, /*is_causal=*/true, /*return_debug_mask=*/false, softmax_scale);
     CudnnForward forward;
     forward.out = std::get<0>(result).transpose(1, 2).contiguous();

@@ -173,25 +173,12 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
       reinterpret_cast<uint4*>(g_tile)[i] = make_uint4(0, 0, 0, 0);
     }
   };
-  if constexpr (kRows == kStepRows) {
-    if (threadIdx.x < kRows) {
-      row_token[threadIdx.x] = step_row_token(threadIdx.x, kM);
-      row_head[threadIdx.x] = step_row_head(threadIdx.x, kM);
-    } else if (threadIdx.x < kRows + kProxyRowsPerStage) {
-      proxy_row_tokens[threadIdx.x - kRows] = proxy_row_token(threadIdx.x - kRows, kM);
-    } else if (threadIdx.x >= 128) {
-      zero_g();
-    }
-  } else {
-    if (threadIdx.x < kRows) {
-      row_token[threadIdx.x] = step_row_token(threadIdx.x, kM, kRows);
-      row_head[threadIdx.x] = step_row_head(threadIdx.x, kM);
-      if (threadIdx.x < kProxyRowsPerStage) {
-        proxy_row_tokens[threadIdx.x] = proxy_row_token(threadIdx.x, kM, kRows);
-      }
-    } else {
-      zero_g();
-    }
+  if (threadIdx.x < kRows) {
+    row_token[threadIdx.x] = step_row_token(threadIdx.x, kM, kRows);
+    row_head[threadIdx.x] = step_row_head(threadIdx.x, kM);
+    if (threadIdx.x < kProxyRowsPerStage) proxy_row_tokens[threadIdx.x] = proxy_row_token(threadIdx.x, kM, kRows);
+  } else if (threadIdx.x >= 128) {
+    zero_g();
   }
   __syncthreads();
 
@@ -640,13 +627,9 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
           float pi = exp2_approx(x);
           if (need_mask && first_key + key_row0 + 8 * h > token) pi = 0.f;
           const float t = teacher[h][i] * (1.f / kM);
-          if constexpr (kKlOnly) {
-            // t·log t → 0 as t → 0: below 2^-100 the term (< 2^-93) is dropped, which keeps the
-            // one-instruction log2 off denormals and the sum free of a branch.
-            kl[i] += t > 0x1p-100f ? t * ((log2_approx(t) - x) * kLn2) : 0.f;
-          } else {
-            if (t > 0.f) kl[i] += t * (__logf(t) - x * kLn2);
-          }
+          // t·log t → 0 as t → 0: below 2^-100 the term (< 2^-93) is dropped, which keeps the
+          // one-instruction log2 off denormals and the sum free of a branch.
+          kl[i] += t > 0x1p-100f ? t * ((log2_approx(t) - x) * kLn2) : 0.f;
           if (args.with_kl_grad) {
             const int key_local = consumer * 64 + warp * 16 + lane / 4 + 8 * h;
             g_tile[sw128_offset(kKeys, key_local, (staged + local) / 8) + (staged + local) % 8] =
@@ -664,41 +647,23 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
         if (lane < 4) kl_parts[(consumer * 4 + warp) * kMaxStepTokens + column] = kl[i];
       }
       if (args.with_kl_grad) {
-        if constexpr (kKlOnly) {
-          // Staged row r, chunk c is always copied by thread (16r + c) % 256, so the steps of one
-          // flush need no barrier between them: all rows when it begins (zeros past the step), then
-          // the step's rows.
-          for (int index = consumer_thread; index < kFlushTokens * 16; index += 256) {
-            const int row = index / 16;
-            const int local = row - staged;
-            if (staged > 0 && local >= kStepTokens) continue;
-            if (local < 0) continue;
-            const int chunk = index % 16;
-            uint4 value = make_uint4(0, 0, 0, 0);
-            if (local < count) {
-              const int n = proxy_row_of_token(local, kM, kRows);
-              value = *reinterpret_cast<const uint4*>(qp_tile + sw128_offset(kProxyRowsPerStage, n, chunk));
-            }
-            *reinterpret_cast<uint4*>(qp_flush + sw128_offset(kFlushTokens, row, chunk)) = value;
+        // The step's q_proxy rows to staged rows staged + token: all staged rows when a flush begins
+        // (zeros past the step and for padding tokens), then the step's rows. Staged row r, chunk c is
+        // always copied by thread (16r + c) % 256, so the steps of one flush need no barrier between them.
+        for (int index = consumer_thread; index < kFlushTokens * 16; index += 256) {
+          const int row = index / 16;
+          const int local = row - staged;
+          if (local < 0 || (staged > 0 && local >= kStepTokens)) continue;
+          const int chunk = index % 16;
+          uint4 value = make_uint4(0, 0, 0, 0);
+          if (local < count) {
+            const int n = proxy_row_of_token(local, kM, kRows);
+            value = *reinterpret_cast<const uint4*>(qp_tile + sw128_offset(kProxyRowsPerStage, n, chunk));
           }
-        } else {
-          // The step's q_proxy rows to staged rows staged + token (zeros for padding tokens, and for
-          // every row past the step when a new stage begins).
-          const int rows = staged == 0 ? kFlushTokens : kStepTokens;
-          for (int index = consumer_thread; index < rows * 16; index += 256) {
-            const int local = index / 16;
-            const int chunk = index % 16;
-            uint4 value = make_uint4(0, 0, 0, 0);
-            if (local < count) {
-              const int n = proxy_row_of_token(local, kM);
-              value = *reinterpret_cast<const uint4*>(qp_tile + sw128_offset(kProxyRowsPerStage, n, chunk));
-            }
-            *reinterpret_cast<uint4*>(qp_flush + sw128_offset(kFlushTokens, staged + local, chunk)) = value;
-          }
-          if (consumer_thread < kStepTokens) flush_token[staged + consumer_thread] = m.token[consumer_thread];
+          *reinterpret_cast<uint4*>(qp_flush + sw128_offset(kFlushTokens, row, chunk)) = value;
         }
       }
-      if (kKlOnly && consumer_thread < kStepTokens) flush_token[staged + consumer_thread] = m.token[consumer_thread];
+      if (consumer_thread < kStepTokens) flush_token[staged + consumer_thread] = m.token[consumer_thread];
     }
     if constexpr (kKlOnly) {
       // ---- KL-only: the staged tokens are flushed every kFlushTokens tokens and at the list's end ----
