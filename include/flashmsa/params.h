@@ -19,12 +19,12 @@
 namespace flashmsa {
 
 constexpr int kBlockSize = 128;  // Bk: tokens per KV block (SPEC.md)
+constexpr int kMaxTopK = 64;     // K ≤ 64 blocks per (query, proxy head)
 
 // The softmax scale in effect: `scale` (σ or σp of the structs below), or dim^-1/2 where it is 0.
 inline double effective_scale(float scale, int64_t dim) {
   return scale != 0.f ? double(scale) : 1.0 / std::sqrt(double(dim));
 }
-constexpr int kMaxTopK = 64;     // K ≤ 64 blocks per (query, proxy head)
 
 enum class DType : int { kBF16 = 0, kFP16 = 1 };
 

@@ -4,9 +4,8 @@
 // 128-byte swizzle's atom), and the pipelines keep at least two stages.
 #include <gtest/gtest.h>
 #include <algorithm>
-#include <utility>
-
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kernels/backward/config.h"

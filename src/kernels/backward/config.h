@@ -226,7 +226,7 @@ struct PipelinedLayout {
   uint32_t ds = 0;                // (2 key halves, 64 rows, 64 keys): dS, the A of dQ = dS·K
   uint32_t g = 0;                 // (128 keys, 64 tokens): π − t of the staged tokens (32 used)
   uint32_t qp_flush = 0;          // (2 halves, 32 tokens, 64): their q_proxy rows
-  uint32_t meta = 0;              // (stage) StepMeta
+  uint32_t meta = 0;              // (stage) StepMetaOf<R>, sized for R = kKlOnlyStepRows
   uint32_t kl = 0;                // fp32 (2 warpgroups, 4 warps, 32 tokens): KL partial sums
   uint32_t flush_token = 0;       // int32 (32): query position of each staged token
   uint32_t rows = 0;              // int32 (R + R + 32, R ≤ 128): step row -> token, head; proxy row -> token
