@@ -50,25 +50,36 @@ TEST(PipelinedForwardLayout, OneHeadPerProxyUsesTheFirstKernel) {
 }
 
 TEST(PipelinedBackwardLayout, FitsWithAlignedTiles) {
-  const kernels::backward::PipelinedLayout layout = kernels::backward::make_pipelined_layout();
-  EXPECT_LE(layout.total, kernels::forward::kMaxDynamicSharedBytes);
-  for (uint32_t offset : {layout.k, layout.v, layout.kp, layout.stage, layout.ds, layout.g, layout.qp_flush}) {
-    EXPECT_EQ(offset % 1024, 0u);
+  namespace bw = kernels::backward;
+  for (bool kl_only : {false, true}) {
+    for (int m : {2, 4, 8, 16}) {
+      const std::string where = "M = " + std::to_string(m) + (kl_only ? ", KL-only" : "");
+      const bw::PipelinedLayout layout = bw::make_pipelined_layout(kl_only, m);
+      EXPECT_LE(layout.total, kernels::forward::kMaxDynamicSharedBytes) << where;
+      for (uint32_t offset : {layout.k, layout.v, layout.kp, layout.stage, layout.ds, layout.g, layout.qp_flush}) {
+        EXPECT_EQ(offset % 1024, 0u) << where;
+      }
+      // A stage and its Q, dO, q_proxy tiles are whole 1024-byte atoms, so every tile is aligned too.
+      const int proxy_rows = bw::proxy_columns(m, bw::step_rows(kl_only, m));
+      EXPECT_EQ(layout.stage_bytes, uint32_t(2 * bw::kStepRows + proxy_rows) * bw::kHeadDim * 2) << where;
+      EXPECT_EQ(layout.stage_bytes % 1024, 0u) << where;
+      EXPECT_EQ(proxy_rows * bw::kHeadDim * 2 % 1024, 0) << where;
+      EXPECT_EQ(layout.ds - layout.stage, bw::kPipelinedStages * layout.stage_bytes) << where;
+      // The dQ staging fits a stage; the staged proxy rows fill whole atoms of the flush tile, and
+      // the g tile (64 token columns) holds every staged token.
+      EXPECT_LE(bw::kDqStageBytes, layout.stage_bytes) << where;
+      EXPECT_EQ(bw::flush_tokens(kl_only, m) % 16, 0) << where;
+      EXPECT_LE(bw::flush_tokens(kl_only, m), 64) << where;
+      EXPECT_EQ(layout.meta % 16, 0u) << where;  // float2 loads of (LSE, Δ) pairs
+      EXPECT_EQ(layout.barriers % 8, 0u) << where;
+    }
   }
-  // A stage and its Q, dO, q_proxy tiles are whole 1024-byte atoms, so every tile is aligned too.
-  EXPECT_EQ(kernels::backward::kPipelinedStageBytes % 1024, 0u);
-  EXPECT_EQ(kernels::backward::kStepRows * kernels::backward::kHeadDim * 2 % 1024, 0);
-  EXPECT_EQ(kernels::backward::kProxyRowsPerStage * kernels::backward::kHeadDim * 2 % 1024, 0);
-  EXPECT_EQ(layout.ds - layout.stage, kernels::backward::kPipelinedStages * kernels::backward::kPipelinedStageBytes);
-  // The dQ staging fits a stage, and every token's run of M rows is a legal bulk reduce-add source
-  // (16-byte aligned, a multiple of 16 bytes).
-  EXPECT_LE(kernels::backward::kDqStageBytes, kernels::backward::kPipelinedStageBytes);
-  EXPECT_EQ(kernels::backward::kDqStageRowBytes % 16, 0u);
-  EXPECT_EQ(kernels::backward::kDqQuadPad % 16, 0u);
-  EXPECT_EQ(layout.meta % 16, 0u);  // float2 loads of (LSE, Δ) pairs
-  EXPECT_EQ(sizeof(kernels::backward::StepMeta) % 16, 0u);
-  EXPECT_EQ(sizeof(kernels::backward::StepMetaOf<kernels::backward::kKlOnlyStepRows>) % 16, 0u);
-  EXPECT_EQ(layout.barriers % 8, 0u);
+  // Every token's run of M rows is a legal bulk reduce-add source (16-byte aligned, a multiple of
+  // 16 bytes).
+  EXPECT_EQ(bw::kDqStageRowBytes % 16, 0u);
+  EXPECT_EQ(bw::kDqQuadPad % 16, 0u);
+  EXPECT_EQ(sizeof(bw::StepMeta) % 16, 0u);
+  EXPECT_EQ(sizeof(bw::StepMetaOf<bw::kKlOnlyStepRows>) % 16, 0u);
 }
 
 TEST(PipelinedBackwardLayout, DqStagingIsTokenMajorWithoutOverlapOrBankConflicts) {
@@ -144,7 +155,7 @@ TEST(PipelinedBackwardLayout, ServesPowerOfTwoHeadMapsInNonDeterministicMode) {
       for (bool kl_only : {false, true}) {
         const int tokens = kernels::backward::step_tokens(m, kernels::backward::step_rows(kl_only, m));
         EXPECT_LE(tokens, kernels::backward::kMaxStepTokens) << "M = " << m;
-        EXPECT_LE(tokens, kernels::backward::kFlushTokens) << "M = " << m;
+        EXPECT_LE(tokens, kernels::backward::flush_tokens(kl_only, m)) << "M = " << m;
       }
     }
   }

@@ -98,8 +98,14 @@ constexpr int kStepRows = 64;        // gathered main rows per step (the N of S�
 constexpr int kKlOnlyStepRows = 128;
 constexpr int step_rows(bool kl_only, int m) { return kl_only && m >= 4 ? kKlOnlyStepRows : kStepRows; }
 constexpr int kMaxStepTokens = 32;   // step_tokens(M) for M ≥ 2
-constexpr int kProxyRowsPerStage = 32;
-constexpr int kFlushTokens = 32;     // tokens of (π − t, q_proxy) staged before dk_proxy, dq_proxy
+constexpr int kProxyRowsPerStage = 32;  // the most proxy rows a step has (M = 2)
+// Tokens of (π − t, q_proxy) staged before dk_proxy, dq_proxy are computed and reduce-added: 64
+// where the stages' smaller proxy tiles leave room for the staged rows (sparse mode, M ≥ 4), so
+// the dk_proxy reduce-adds (a 128 × 128 fp32 block per flush) are paid every 64 tokens; 32 in the
+// KL-only mode (dk_proxy stays in registers there) and for M = 2.
+constexpr int kFlushTokens = 32;
+constexpr int kWideFlushTokens = 64;
+constexpr int flush_tokens(bool kl_only, int m) { return !kl_only && m >= 4 ? kWideFlushTokens : kFlushTokens; }
 
 inline bool pipelined_supported(int heads_per_proxy, bool deterministic) {
   const int m = heads_per_proxy;
@@ -178,8 +184,11 @@ constexpr DenseListPosition dense_list_position(int64_t list, int64_t lists_per_
 constexpr int kDqProxyStageStride = kHeadDim + 4;
 static_assert(kFlushTokens * kDqProxyStageStride * 4 <= kKeys * kHeadDim * 2, "dq_proxy staging fits in the V tile");
 static_assert(kDqProxyStageStride * 4 % 16 == 0, "bulk copies need 16-byte aligned rows");
-// A stage's bytes: Q and dO (64 rows each) and the q_proxy rows, 16-bit, 128-byte swizzle.
-constexpr uint32_t kPipelinedStageBytes = (2 * kStepRows + kProxyRowsPerStage) * kHeadDim * 2;
+// A stage's bytes: Q and dO (64 rows each; the KL-only mode's 128 Q rows) and the step's q_proxy
+// rows (proxy_columns: 8, 16 or 32), 16-bit, 128-byte swizzle.
+constexpr uint32_t pipelined_stage_bytes(bool kl_only, int m) {
+  return uint32_t(2 * kStepRows + proxy_columns(m, step_rows(kl_only, m))) * kHeadDim * 2;
+}
 // dQ staging inside a consumed stage: the step's 64 rows in fp32, whole 512-byte rows (both consumer
 // warpgroups' 64 dims), token-major with a token's M heads in head order, exactly as dq_accum holds
 // them, so one bulk reduce-add per token moves M × 512 contiguous bytes. The tokens of step quad q
@@ -195,8 +204,7 @@ constexpr uint32_t dq_stage_row_offset(int n, int m) {
   return dq_stage_token_offset(step_row_token(n, m), m) + uint32_t(step_row_head(n, m)) * kDqStageRowBytes;
 }
 constexpr uint32_t kDqStageBytes = kStepRows * kDqStageRowBytes + 3 * kDqQuadPad;
-static_assert(kDqStageBytes <= kPipelinedStageBytes, "dQ staging must fit in a consumed stage");
-static_assert(kPipelinedStageBytes % 1024 == 0, "stages keep the 128-byte swizzle's 1024-byte alignment");
+static_assert(kDqStageBytes <= pipelined_stage_bytes(false, 16), "dQ staging must fit in the smallest stage");
 
 // Per-stage metadata written by the producer, read by the consumers, for steps of kRows rows.
 template <int kRows>
@@ -221,21 +229,23 @@ constexpr int kStepLast = 4;      // the CTA's last step
 struct PipelinedLayout {
   uint32_t k = 0, v = 0, kp = 0;  // (2 halves, 128 keys, 64) 16-bit, 128-byte swizzle
   uint32_t stage = 0;             // (stage) Q (2 halves, 64 rows, 64), dO (same), q_proxy (2 halves,
-                                  // 32 proxy rows, 64); once the step's products have read them, the
-                                  // stage holds its fp32 dQ for the bulk reduce-adds (dq_stage_*)
+                                  // proxy_columns rows, 64); once the step's products have read them,
+                                  // the stage holds its fp32 dQ for the bulk reduce-adds (dq_stage_*)
+  uint32_t stage_bytes = 0;       // pipelined_stage_bytes
   uint32_t ds = 0;                // (2 key halves, 64 rows, 64 keys): dS, the A of dQ = dS·K
-  uint32_t g = 0;                 // (128 keys, 64 tokens): π − t of the staged tokens (32 used)
-  uint32_t qp_flush = 0;          // (2 halves, 32 tokens, 64): their q_proxy rows
+  uint32_t g = 0;                 // (128 keys, 64 tokens): π − t of the staged tokens
+  uint32_t qp_flush = 0;          // (2 halves, flush_tokens, 64): their q_proxy rows
   uint32_t meta = 0;              // (stage) StepMetaOf<R>, sized for R = kKlOnlyStepRows
   uint32_t kl = 0;                // fp32 (2 warpgroups, 4 warps, 32 tokens): KL partial sums
-  uint32_t flush_token = 0;       // int32 (32): query position of each staged token
+  uint32_t flush_token = 0;       // int32 (flush_tokens): query position of each staged token
   uint32_t rows = 0;              // int32 (R + R + 32, R ≤ 128): step row -> token, head; proxy row -> token
   uint32_t barriers = 0;
   uint32_t total = 0;             // bytes to request, including the alignment slack
 };
 
-inline PipelinedLayout make_pipelined_layout() {
+inline PipelinedLayout make_pipelined_layout(bool kl_only, int m) {
   PipelinedLayout layout;
+  const uint32_t flush = uint32_t(flush_tokens(kl_only, m));
   const uint32_t key_tile = kKeys * kHeadDim * 2;
   uint32_t at = 0;
   layout.k = at;
@@ -245,19 +255,20 @@ inline PipelinedLayout make_pipelined_layout() {
   layout.kp = at;
   at += key_tile;
   layout.stage = at;
-  at += kPipelinedStages * kPipelinedStageBytes;
+  layout.stage_bytes = pipelined_stage_bytes(kl_only, m);
+  at += kPipelinedStages * layout.stage_bytes;
   layout.ds = at;
   at += kStepRows * kKeys * 2;
   layout.g = at;
   at += kKeys * 64 * 2;
   layout.qp_flush = at;
-  at += kFlushTokens * kHeadDim * 2;
+  at += flush * kHeadDim * 2;
   layout.meta = at;
   at += kPipelinedStages * uint32_t(sizeof(StepMetaOf<kKlOnlyStepRows>));
   layout.kl = at;
   at += 2 * 4 * kMaxStepTokens * 4;
   layout.flush_token = at;
-  at += kFlushTokens * 4;
+  at += flush * 4;
   layout.rows = at;
   at += (2 * kKlOnlyStepRows + kProxyRowsPerStage) * 4;
   layout.barriers = at;

@@ -133,7 +133,8 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
   constexpr int kStepTokens = step_tokens(kM, kRows);
   constexpr int kProxyCols = proxy_columns(kM, kRows);
   constexpr int kRowElements = kStepRows * kHeadDim;
-  constexpr int kStageElements = int(kPipelinedStageBytes / 2);
+  constexpr int kStageElements = int(pipelined_stage_bytes(kKlOnly, kM) / 2);
+  constexpr int kFlush = flush_tokens(kKlOnly, kM);  // tokens staged per proxy-gradient flush
   using Mma128 = ptx::Wgmma64x128x16<Element>;
 
   extern __shared__ unsigned char smem_raw[];
@@ -362,7 +363,7 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
             } else {
               src = valid ? args.q_proxy.row(key.b, m.token[local], key.proxy_head) + chunk * 8 : args.q_proxy.ptr;
             }
-            ptx::cp_async_16(qp_dst + sw128_offset(kProxyRowsPerStage, n, chunk), src, valid);
+            ptx::cp_async_16(qp_dst + sw128_offset(kProxyCols, n, chunk), src, valid);
           }
         }
         if (thread < kMaxStepTokens) m.proxy_lse[thread] = plse * kLog2e;
@@ -439,9 +440,9 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
   // q̃ rows (tokens × di, MN-major); keep = 1 adds to acc.
   auto dk_proxy_product = [&](float (&acc)[64], uint32_t keep) {
 #pragma unroll
-    for (int k_step = 0; k_step < kFlushTokens / 16; ++k_step) {
+    for (int k_step = 0; k_step < kFlush / 16; ++k_step) {
       const uint64_t desc_g = ptx::advance_desc(ptx::make_sw128_kmajor_desc(g_tile + consumer * 64 * 64), k_step * 32);
-      const uint64_t desc_qp = ptx::make_sw128_mnmajor_desc(qp_flush + k_step * 16 * 64, kFlushTokens * 128);
+      const uint64_t desc_qp = ptx::make_sw128_mnmajor_desc(qp_flush + k_step * 16 * 64, kFlush * 128);
       ptx::WgmmaSS<Element, 128, 0, 1>::run(acc, desc_g, desc_qp, k_step > 0 ? 1u : keep);
     }
   };
@@ -511,7 +512,7 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
     if constexpr (!kKlOnly) key_gemm(dprob, v_tile, do_tile, kStepRows);
     ptx::wgmma_commit_group();
     if (args.with_kl) {
-      key_gemm(proxy, kp_tile, qp_tile, kProxyRowsPerStage);
+      key_gemm(proxy, kp_tile, qp_tile, kProxyCols);
       ptx::wgmma_commit_group();
     }
     if constexpr (kKlOnly) {
@@ -650,7 +651,7 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
         // The step's q_proxy rows to staged rows staged + token: all staged rows when a flush begins
         // (zeros past the step and for padding tokens), then the step's rows. Staged row r, chunk c is
         // always copied by thread (16r + c) % 256, so the steps of one flush need no barrier between them.
-        for (int index = consumer_thread; index < kFlushTokens * 16; index += 256) {
+        for (int index = consumer_thread; index < kFlush * 16; index += 256) {
           const int row = index / 16;
           const int local = row - staged;
           if (local < 0 || (staged > 0 && local >= kStepTokens)) continue;
@@ -658,9 +659,9 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
           uint4 value = make_uint4(0, 0, 0, 0);
           if (local < count) {
             const int n = proxy_row_of_token(local, kM, kRows);
-            value = *reinterpret_cast<const uint4*>(qp_tile + sw128_offset(kProxyRowsPerStage, n, chunk));
+            value = *reinterpret_cast<const uint4*>(qp_tile + sw128_offset(kProxyCols, n, chunk));
           }
-          *reinterpret_cast<uint4*>(qp_flush + sw128_offset(kFlushTokens, row, chunk)) = value;
+          *reinterpret_cast<uint4*>(qp_flush + sw128_offset(kFlush, row, chunk)) = value;
         }
       }
       if (consumer_thread < kStepTokens) flush_token[staged + consumer_thread] = m.token[consumer_thread];
@@ -669,7 +670,7 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
       // ---- KL-only: the staged tokens are flushed every kFlushTokens tokens and at the list's end ----
       // Between flushes the stage is released right after the KL terms (nothing reads it later).
       staged += count;
-      flushed = (flags & kStepListLast) || staged + kStepTokens > kFlushTokens;
+      flushed = (flags & kStepListLast) || staged + kStepTokens > kFlush;
       if (!flushed) {
         ptx::mbarrier_arrive(&q_empty[s]);
         continue;
@@ -709,7 +710,7 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
         for (int h = 0; h < 2; ++h) {
           const int dim = consumer * 64 + warp * 16 + lane / 4 + 8 * h;
 #pragma unroll
-          for (int j = 0; j < kFlushTokens / 8; ++j) {
+          for (int j = 0; j < kFlush / 8; ++j) {
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
               dqp_stage[(8 * j + 2 * quad + e) * kDqProxyStageStride + dim] = acc[4 * j + 2 * h + e];
@@ -800,7 +801,7 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
     if (args.with_kl_grad) staged += count;
 
     // ---- proxy gradients of the staged tokens ---------------------------------------------------------
-    if (args.with_kl_grad && ((flags & kStepListLast) || staged + kStepTokens > kFlushTokens)) {
+    if (args.with_kl_grad && ((flags & kStepListLast) || staged + kStepTokens > kFlush)) {
       {
         float acc[64];
         ptx::wgmma_fence();
@@ -873,7 +874,7 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
 // ---------------------------------------------------------------------------------------------
 template <typename Element, int kM, bool kKlOnly = false>
 cudaError_t launch_pipelined_m(const PipelinedArgs<Element>& args, int device, int grid, cudaStream_t stream) {
-  const PipelinedLayout layout = make_pipelined_layout();
+  const PipelinedLayout layout = make_pipelined_layout(kKlOnly, kM);
   const void* kernel = reinterpret_cast<const void*>(backward_pipelined<Element, kM, kKlOnly>);
   if (cudaError_t error = set_max_dynamic_smem(kernel, device, int(layout.total)); error != cudaSuccess) return error;
   backward_pipelined<Element, kM, kKlOnly><<<unsigned(grid), kPipelinedThreads, layout.total, stream>>>(args, layout);
