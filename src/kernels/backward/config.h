@@ -179,8 +179,9 @@ constexpr DenseListPosition dense_list_position(int64_t list, int64_t lists_per_
   return at;
 }
 
-// KL-only mode: the staged tokens' dq_proxy rows go through the V tile (never loaded in this mode)
-// as fp32 rows of kHeadDim + 4 floats, so the accumulator stores are free of bank conflicts.
+// The staged tokens' dq_proxy rows go to the bulk reduce-adds as fp32 rows of kHeadDim + 4 floats,
+// so the accumulator stores are free of bank conflicts: through the V tile in the KL-only mode (never
+// loaded there), through the flushing step's stage, once its dQ rows are read, in the sparse mode.
 constexpr int kDqProxyStageStride = kHeadDim + 4;
 static_assert(kFlushTokens * kDqProxyStageStride * 4 <= kKeys * kHeadDim * 2, "dq_proxy staging fits in the V tile");
 static_assert(kDqProxyStageStride * 4 % 16 == 0, "bulk copies need 16-byte aligned rows");
@@ -205,6 +206,8 @@ constexpr uint32_t dq_stage_row_offset(int n, int m) {
 }
 constexpr uint32_t kDqStageBytes = kStepRows * kDqStageRowBytes + 3 * kDqQuadPad;
 static_assert(kDqStageBytes <= pipelined_stage_bytes(false, 16), "dQ staging must fit in the smallest stage");
+static_assert(kWideFlushTokens * kDqProxyStageStride * 4 <= pipelined_stage_bytes(false, 16),
+              "dq_proxy staging must fit in the smallest stage");
 
 // Per-stage metadata written by the producer, read by the consumers, for steps of kRows rows.
 template <int kRows>

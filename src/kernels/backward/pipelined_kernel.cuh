@@ -410,6 +410,8 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
   // then lets the other go), so one's product runs under the other's exponentials.
   constexpr uint32_t kTurnBarrier = 5;
   constexpr int kDqIssueLanes = (kStepTokens + 7) / 8;  // tokens per consumer warp, rounded up
+  // Lanes that issue bulk reduce-adds: dQ of a step's tokens, dq_proxy of the staged ones.
+  constexpr int kBulkIssueLanes = kDqIssueLanes > kFlush / 8 ? kDqIssueLanes : kFlush / 8;
   // This thread's two accumulator rows (warp·16 + lane/4 + 8h) in the dQ staging.
   const uint32_t dq_row_offset[2] = {dq_stage_row_offset(warp * 16 + lane / 4, kM),
                                      dq_stage_row_offset(warp * 16 + lane / 4 + 8, kM)};
@@ -468,6 +470,33 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
 #pragma unroll
         for (int j = 0; j < 16; ++j) reduce_add2(row + 8 * j, acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
       }
+    }
+  };
+  // The staged tokens' dq_proxy rows (accumulator columns < kFlush) as fp32 rows of
+  // kDqProxyStageStride floats at `stage` (free of bank conflicts); then, after a fence and a barrier
+  // of both warpgroups, one 512-byte bulk reduce-add per staged token, by lane t / 8 of consumer
+  // warp t % 8.
+  auto stage_dq_proxy = [&](const float (&acc)[32], float* stage) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int dim = consumer * 64 + warp * 16 + lane / 4 + 8 * h;
+#pragma unroll
+      for (int j = 0; j < kFlush / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) stage[(8 * j + 2 * quad + e) * kDqProxyStageStride + dim] = acc[4 * j + 2 * h + e];
+      }
+    }
+  };
+  auto reduce_add_dq_proxy = [&](const float* stage, const ListKey& key, int tokens) {
+    if (lane < kFlush / 8) {
+      const int column = (consumer * 4 + warp) + 8 * lane;
+      const int token = column < tokens ? flush_token[column] : -1;
+      if (token >= 0) {
+        ptx::bulk_reduce_add_f32(args.dq_proxy_accum + ((int64_t(key.b) * args.seqlen + token) * args.num_proxy_heads +
+                                                        key.proxy_head) * kHeadDim,
+                                 stage + column * kDqProxyStageStride, kHeadDim * 4);
+      }
+      ptx::bulk_commit_group();
     }
   };
   uint32_t last_key = 0xffffffffu;
@@ -676,7 +705,7 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
         continue;
       }
       // The previous flush's dq_proxy bulk reads of the staging (below) are done long before.
-      if (lane < 4) ptx::bulk_wait_group_read<0>();
+      if (lane < kFlush / 8) ptx::bulk_wait_group_read<0>();
       ptx::fence_proxy_async_shared();  // g and the staged rows are wgmma operands
       ptx::named_barrier_sync(kMidBarrier, 256);
       // k_proxy is read below; the producer replaces it only after the list's last step.
@@ -702,33 +731,13 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
         ptx::wgmma_wait_group<0>();
         ptx::fence_accumulators(dk);
         ptx::fence_accumulators(acc);
-        // The staged tokens' dq_proxy rows (accumulator columns < kFlushTokens; the N = 64 product's
-        // upper half is unused) to fp32 rows of the V tile, which this mode never loads; then one
-        // 512-byte bulk reduce-add per token, by lane t / 8 of consumer warp t % 8.
+        // dq_proxy staged in the V tile, which this mode never loads (the N = 64 product's upper
+        // half is unused).
         float* dqp_stage = reinterpret_cast<float*>(v_tile);
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int dim = consumer * 64 + warp * 16 + lane / 4 + 8 * h;
-#pragma unroll
-          for (int j = 0; j < kFlush / 8; ++j) {
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              dqp_stage[(8 * j + 2 * quad + e) * kDqProxyStageStride + dim] = acc[4 * j + 2 * h + e];
-            }
-          }
-        }
+        stage_dq_proxy(acc, dqp_stage);
         ptx::fence_proxy_async_shared();
         ptx::named_barrier_sync(kDqBarrier, 256);
-        if (lane < 4) {
-          const int column = (consumer * 4 + warp) + 8 * lane;
-          const int token = column < staged ? flush_token[column] : -1;
-          if (token >= 0) {
-            ptx::bulk_reduce_add_f32(args.dq_proxy_accum + ((int64_t(key.b) * args.seqlen + token) *
-                                                                args.num_proxy_heads + key.proxy_head) * kHeadDim,
-                                     dqp_stage + column * kDqProxyStageStride, kHeadDim * 4);
-          }
-          ptx::bulk_commit_group();
-        }
+        reduce_add_dq_proxy(dqp_stage, key, staged);
         if (flags & kStepListLast) {
           reduce_add_dk_proxy(dk, key, first_key);
 #pragma unroll
@@ -738,7 +747,7 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
       staged = 0;
       if (flags & kStepListLast) ptx::mbarrier_arrive(&q_empty[s]);
       if (flags & kStepLast) {
-        if (lane < 4) ptx::bulk_wait_group<0>();
+        if (lane < kFlush / 8) ptx::bulk_wait_group<0>();
         break;
       }
       continue;
@@ -816,29 +825,21 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
         ptx::wgmma_fence();
         dq_proxy_product(acc);
         ptx::wgmma_commit_group();
+        // dq_proxy is staged in this step's stage once the dQ bulk reduce-adds of every issuing
+        // lane have read it.
+        if (lane < kDqIssueLanes) ptx::bulk_wait_group_read<0>();
         ptx::wgmma_wait_group<0>();
         ptx::fence_accumulators(acc);
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int dim = consumer * 64 + warp * 16 + lane / 4 + 8 * h;
-#pragma unroll
-          for (int j = 0; j < 8; ++j) {
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              const int column = 8 * j + 2 * quad + e;
-              if (column < staged) {
-                atomicAdd(args.dq_proxy_accum +
-                              ((int64_t(key.b) * args.seqlen + flush_token[column]) * args.num_proxy_heads +
-                               key.proxy_head) * kHeadDim + dim,
-                          acc[4 * j + 2 * h + e]);
-              }
-            }
-          }
-        }
+        ptx::named_barrier_sync(kDqBarrier, 256);
+        float* dqp_stage = reinterpret_cast<float*>(q_stages + s * kStageElements);
+        stage_dq_proxy(acc, dqp_stage);
+        ptx::fence_proxy_async_shared();
+        ptx::named_barrier_sync(kDqBarrier, 256);
+        reduce_add_dq_proxy(dqp_stage, key, staged);
       }
       staged = 0;
     }
-    if (lane < kDqIssueLanes) ptx::bulk_wait_group_read<0>();
+    if (lane < kBulkIssueLanes) ptx::bulk_wait_group_read<0>();
     ptx::mbarrier_arrive(&q_empty[s]);
 
     // ---- dK, dV of the unit: reduce-added when it ends --------------------------------------------------
@@ -863,7 +864,7 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
       }
     }
     if (flags & kStepLast) {
-      if (lane < kDqIssueLanes) ptx::bulk_wait_group<0>();
+      if (lane < kBulkIssueLanes) ptx::bulk_wait_group<0>();
       break;
     }
   }
