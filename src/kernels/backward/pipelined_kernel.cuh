@@ -30,9 +30,11 @@
 //                                          Q/dO stage; each step token's M rows are reduce-added
 //                                          with one bulk operation (cp.reduce.async.bulk)
 //              KL                          t = mean of P over the M heads, π = exp(s̃σp − plse),
-//                                          g = π − t staged with the q_proxy rows (32 tokens), then
-//                                          dk_proxy += g·q̃ (m64n128) and dq_proxyᵀ = k̃ᵀ·gᵀ
-//                                          (m64n64), both reduce-added; KL terms per (token, slot)
+//                                          g = π − t staged with the q_proxy rows (flush_tokens:
+//                                          64 tokens, 32 at M = 2), then dk_proxy += g·q̃ (m64n128,
+//                                          reduce-added from registers) and dq_proxyᵀ = k̃ᵀ·gᵀ
+//                                          (m64n64, staged in the stage and reduce-added in bulk
+//                                          per token); KL terms per (token, slot)
 //
 // Synchronisation between the consumer warpgroups: two named barriers per step, one after dS, g,
 // the staged q_proxy rows and the KL partials are written (both warpgroups read all of them), one
