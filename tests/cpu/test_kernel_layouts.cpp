@@ -68,6 +68,10 @@ TEST(PipelinedBackwardLayout, FitsWithAlignedTiles) {
       // The dQ staging fits a stage; the staged proxy rows fill whole atoms of the flush tile, and
       // the g tile (64 token columns) holds every staged token.
       EXPECT_LE(bw::kDqStageBytes, layout.stage_bytes) << where;
+      if (!kl_only) {
+        // The sparse flush stages dq_proxy as fp32 rows in the flushing step's stage.
+        EXPECT_LE(uint32_t(bw::flush_tokens(false, m) * bw::kDqProxyStageStride * 4), layout.stage_bytes) << where;
+      }
       EXPECT_EQ(bw::flush_tokens(kl_only, m) % 16, 0) << where;
       EXPECT_LE(bw::flush_tokens(kl_only, m), 64) << where;
       EXPECT_EQ(layout.meta % 16, 0u) << where;  // float2 loads of (LSE, Δ) pairs
