@@ -170,18 +170,15 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
     ptx::mbarrier_init(kv_full, kPipelinedProducerThreads);
     ptx::fence_barrier_init();
   }
-  auto zero_g = [&]() {
-    // π − t of unused staged columns must be finite: they meet zero q_proxy rows.
-    for (int i = threadIdx.x - 128; i < kKeys * 64 / 8; i += 256) {
-      reinterpret_cast<uint4*>(g_tile)[i] = make_uint4(0, 0, 0, 0);
-    }
-  };
   if (threadIdx.x < kRows) {
     row_token[threadIdx.x] = step_row_token(threadIdx.x, kM, kRows);
     row_head[threadIdx.x] = step_row_head(threadIdx.x, kM);
     if (threadIdx.x < kProxyRowsPerStage) proxy_row_tokens[threadIdx.x] = proxy_row_token(threadIdx.x, kM, kRows);
   } else if (threadIdx.x >= 128) {
-    zero_g();
+    // π − t of unused staged columns must be finite: they meet zero q_proxy rows.
+    for (int i = threadIdx.x - 128; i < kKeys * 64 / 8; i += 256) {
+      reinterpret_cast<uint4*>(g_tile)[i] = make_uint4(0, 0, 0, 0);
+    }
   }
   __syncthreads();
 
@@ -412,7 +409,7 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
   // then lets the other go), so one's product runs under the other's exponentials.
   constexpr uint32_t kTurnBarrier = 5;
   constexpr int kDqIssueLanes = (kStepTokens + 7) / 8;  // tokens per consumer warp, rounded up
-  // Lanes that issue bulk reduce-adds: dQ of a step's tokens, dq_proxy of the staged ones.
+  // Lanes that issue bulk reduce-adds: dQ of a step's tokens (sparse), dq_proxy of the staged ones.
   constexpr int kBulkIssueLanes = kDqIssueLanes > kFlush / 8 ? kDqIssueLanes : kFlush / 8;
   // This thread's two accumulator rows (warp·16 + lane/4 + 8h) in the dQ staging.
   const uint32_t dq_row_offset[2] = {dq_stage_row_offset(warp * 16 + lane / 4, kM),
@@ -698,7 +695,7 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
       if (consumer_thread < kStepTokens) flush_token[staged + consumer_thread] = m.token[consumer_thread];
     }
     if constexpr (kKlOnly) {
-      // ---- KL-only: the staged tokens are flushed every kFlushTokens tokens and at the list's end ----
+      // ---- KL-only: the staged tokens are flushed every kFlush tokens and at the list's end ----
       // Between flushes the stage is released right after the KL terms (nothing reads it later).
       staged += count;
       flushed = (flags & kStepListLast) || staged + kStepTokens > kFlush;
@@ -707,7 +704,7 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
         continue;
       }
       // The previous flush's dq_proxy bulk reads of the staging (below) are done long before.
-      if (lane < kFlush / 8) ptx::bulk_wait_group_read<0>();
+      if (lane < kBulkIssueLanes) ptx::bulk_wait_group_read<0>();
       ptx::fence_proxy_async_shared();  // g and the staged rows are wgmma operands
       ptx::named_barrier_sync(kMidBarrier, 256);
       // k_proxy is read below; the producer replaces it only after the list's last step.
@@ -749,7 +746,7 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
       staged = 0;
       if (flags & kStepListLast) ptx::mbarrier_arrive(&q_empty[s]);
       if (flags & kStepLast) {
-        if (lane < kFlush / 8) ptx::bulk_wait_group<0>();
+        if (lane < kBulkIssueLanes) ptx::bulk_wait_group<0>();
         break;
       }
       continue;
