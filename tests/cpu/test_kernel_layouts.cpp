@@ -88,36 +88,30 @@ TEST(PipelinedBackwardLayout, FitsWithAlignedTiles) {
 
 TEST(PipelinedBackwardLayout, DqStagingIsTokenMajorWithoutOverlapOrBankConflicts) {
   namespace bw = kernels::backward;
-  // fp32 rows (fp16 inputs) and bf16 rows (bf16 inputs).
-  for (uint32_t row_bytes : {bw::kDqStageRowBytes, bw::kDqStageRowBytes16}) {
-    for (int m : {2, 4, 8, 16}) {
-      const int tokens = 4 * (16 / m);
-      const std::string where = "M = " + std::to_string(m) + ", " + std::to_string(row_bytes) + "-byte rows";
-      // Every step row lands at its token's run, in head order, inside the staging, and no two rows
-      // overlap; every token's run is a legal bulk reduce-add source.
-      std::vector<std::pair<uint32_t, int>> starts;
-      for (int n = 0; n < bw::kStepRows; ++n) {
-        const int token = bw::step_row_token(n, m);
-        const int head = bw::step_row_head(n, m);
-        ASSERT_LT(token, tokens) << where << ", row " << n;
-        const uint32_t offset = bw::dq_stage_row_offset(n, m, row_bytes);
-        EXPECT_EQ(offset, bw::dq_stage_token_offset(token, m, row_bytes) + uint32_t(head) * row_bytes);
-        EXPECT_EQ(bw::dq_stage_token_offset(token, m, row_bytes) % 16, 0u) << where;
-        EXPECT_LE(offset + row_bytes, bw::kDqStageBytes) << where << ", row " << n;
-        starts.emplace_back(offset, n);
-      }
-      std::sort(starts.begin(), starts.end());
-      for (size_t i = 1; i < starts.size(); ++i) {
-        EXPECT_GE(starts[i].first, starts[i - 1].first + row_bytes) << where;
-      }
-      // One accumulator store (fixed warp, h and column) touches rows warp·16 + 8h + r, r < 8: at
-      // most two of them start in one 32-byte bank group modulo 128 bytes, so the store takes two
-      // wavefronts.
-      for (int first = 0; first < bw::kStepRows; first += 8) {
-        int per_group[4] = {0, 0, 0, 0};
-        for (int r = 0; r < 8; ++r) ++per_group[(bw::dq_stage_row_offset(first + r, m, row_bytes) % 128) / 32];
-        for (int g = 0; g < 4; ++g) EXPECT_LE(per_group[g], 2) << where << ", rows " << first;
-      }
+  for (int m : {2, 4, 8, 16}) {
+    const int tokens = 4 * (16 / m);
+    // Every step row lands at its token's run, in head order, inside the staging, and no two rows
+    // overlap.
+    std::vector<std::pair<uint32_t, int>> starts;
+    for (int n = 0; n < bw::kStepRows; ++n) {
+      const int token = bw::step_row_token(n, m);
+      const int head = bw::step_row_head(n, m);
+      ASSERT_LT(token, tokens) << "M = " << m << ", row " << n;
+      const uint32_t offset = bw::dq_stage_row_offset(n, m);
+      EXPECT_EQ(offset, bw::dq_stage_token_offset(token, m) + uint32_t(head) * bw::kDqStageRowBytes);
+      EXPECT_LE(offset + bw::kDqStageRowBytes, bw::kDqStageBytes) << "M = " << m << ", row " << n;
+      starts.emplace_back(offset, n);
+    }
+    std::sort(starts.begin(), starts.end());
+    for (size_t i = 1; i < starts.size(); ++i) {
+      EXPECT_GE(starts[i].first, starts[i - 1].first + bw::kDqStageRowBytes) << "M = " << m;
+    }
+    // One accumulator store (fixed warp, h and column) touches rows warp·16 + 8h + r, r < 8, 32 bytes
+    // each: at most two rows may share a 32-byte bank group, so the store takes two wavefronts.
+    for (int first = 0; first < bw::kStepRows; first += 8) {
+      int per_group[4] = {0, 0, 0, 0};
+      for (int r = 0; r < 8; ++r) ++per_group[(bw::dq_stage_row_offset(first + r, m) % 128) / 32];
+      for (int g = 0; g < 4; ++g) EXPECT_LE(per_group[g], 2) << "M = " << m << ", rows " << first;
     }
   }
 }

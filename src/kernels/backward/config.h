@@ -190,20 +190,19 @@ static_assert(kDqProxyStageStride * 4 % 16 == 0, "bulk copies need 16-byte align
 constexpr uint32_t pipelined_stage_bytes(bool kl_only, int m) {
   return uint32_t(2 * kStepRows + proxy_columns(m, step_rows(kl_only, m))) * kHeadDim * 2;
 }
-// dQ staging inside a consumed stage: the step's 64 rows as whole rows of both consumer warpgroups'
-// 64 dims (fp32, 512 bytes; bf16, 256 bytes, for bf16 inputs, whose dq_accum is bf16),
-// token-major with a token's M heads in head order, exactly as dq_accum holds them, so one bulk
-// reduce-add per token moves M rows of contiguous bytes. The tokens of step quad q (row_quad) start
-// 32·q bytes later: the 8 rows one accumulator store touches are 4 tokens of different quads × 2
-// heads, so they start at 4 distinct offsets modulo 128 bytes (two wavefronts per store).
+// dQ staging inside a consumed stage: the step's 64 rows in fp32, whole 512-byte rows (both consumer
+// warpgroups' 64 dims), token-major with a token's M heads in head order, exactly as dq_accum holds
+// them, so one bulk reduce-add per token moves M × 512 contiguous bytes. The tokens of step quad q
+// (row_quad) start 32·q bytes later: the 8 rows one accumulator store touches are 4 tokens of
+// different quads × 2 heads, so they start at 4 distinct offsets modulo 128 bytes (two wavefronts
+// per store, the minimum for 256 bytes).
 constexpr uint32_t kDqStageRowBytes = kHeadDim * 4;
-constexpr uint32_t kDqStageRowBytes16 = kHeadDim * 2;
 constexpr uint32_t kDqQuadPad = 32;
-constexpr uint32_t dq_stage_token_offset(int token, int m, uint32_t row_bytes = kDqStageRowBytes) {
-  return uint32_t(token) * uint32_t(m) * row_bytes + uint32_t(token / step_tokens_per_quad(m)) * kDqQuadPad;
+constexpr uint32_t dq_stage_token_offset(int token, int m) {
+  return uint32_t(token) * uint32_t(m) * kDqStageRowBytes + uint32_t(token / step_tokens_per_quad(m)) * kDqQuadPad;
 }
-constexpr uint32_t dq_stage_row_offset(int n, int m, uint32_t row_bytes = kDqStageRowBytes) {
-  return dq_stage_token_offset(step_row_token(n, m), m, row_bytes) + uint32_t(step_row_head(n, m)) * row_bytes;
+constexpr uint32_t dq_stage_row_offset(int n, int m) {
+  return dq_stage_token_offset(step_row_token(n, m), m) + uint32_t(step_row_head(n, m)) * kDqStageRowBytes;
 }
 constexpr uint32_t kDqStageBytes = kStepRows * kDqStageRowBytes + 3 * kDqQuadPad;
 static_assert(kDqStageBytes <= pipelined_stage_bytes(false, 16), "dQ staging must fit in the smallest stage");
@@ -295,8 +294,7 @@ struct WorkspaceLayout {
   size_t item_counter = 0;  // int32 [1]: the CTAs' shared work-item counter
   size_t entries = 0;       // int32 [b, hp, s, k] upper bound: token << 6 | slot, sorted by token
   size_t delta = 0;         // fp32 [b, h, s]: Δ = ⟨O, dO⟩
-  size_t dq_accum = 0;      // fp32 [b, s, h, d] (bf16 on the wgmma kernel with bf16 inputs: the first
-                            // half); deterministic: [b, hp, s, k, m, d] per slot
+  size_t dq_accum = 0;      // fp32 [b, s, h, d]; deterministic: [b, hp, s, k, m, d] per slot
   size_t dq_proxy_accum = 0;  // fp32 [b, s, hp, di]; deterministic: [b, hp, s, k, di] per slot
   size_t dk_accum = 0;      // fp32 [b, s, hkv, d]
   size_t dv_accum = 0;      // fp32 [b, s, hkv, d]

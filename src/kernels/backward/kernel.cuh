@@ -533,11 +533,6 @@ __global__ void __launch_bounds__(kThreads) finish_query_grads_kernel(const Prob
           add4(acc, pb.ws.dq_accum + ((slot_row + slot) * M + head % M) * kHeadDim + dim);
         }
       }
-    } else if (pb.dq_accum_bf16) {
-      const __nv_bfloat16* source = reinterpret_cast<const __nv_bfloat16*>(pb.ws.dq_accum) +
-                                    ((batch * shape.seqlen + token) * shape.num_heads + head) * kHeadDim + dim;
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[e] += __bfloat162float(source[e]);
     } else {
       add4(acc, pb.ws.dq_accum + ((batch * shape.seqlen + token) * shape.num_heads + head) * kHeadDim + dim);
     }
@@ -631,7 +626,6 @@ inline Problem make_problem(const BackwardParams& params) {
   pb.proxy_per_kv_head = shape.num_proxy_heads / shape.num_kv_heads;
   pb.tiles_per_item = params.deterministic ? (1 << 30) : kTilesPerItem;
   pb.with_kl = params.kl_grad != nullptr || params.fwd.kl != nullptr;
-  pb.dq_accum_bf16 = params.fwd.dtype == DType::kBF16 && pipelined_supported(pb.heads_per_proxy, params.deterministic);
   return pb;
 }
 

@@ -412,12 +412,8 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
   // Lanes that issue bulk reduce-adds: dQ of a step's tokens (sparse), dq_proxy of the staged ones.
   constexpr int kBulkIssueLanes = kDqIssueLanes > kFlush / 8 ? kDqIssueLanes : kFlush / 8;
   // This thread's two accumulator rows (warp·16 + lane/4 + 8h) in the dQ staging.
-  // bf16 inputs accumulate dQ in bf16 (docs/design.md, "Backward": half the bytes of the reduce-adds,
-  // which miss L2); fp16 inputs keep fp32, their reference being 8× tighter.
-  constexpr bool kDq16 = std::is_same<Element, __nv_bfloat16>::value;
-  constexpr uint32_t kDqRowBytes = kDq16 ? kDqStageRowBytes16 : kDqStageRowBytes;
-  const uint32_t dq_row_offset[2] = {dq_stage_row_offset(warp * 16 + lane / 4, kM, kDqRowBytes),
-                                     dq_stage_row_offset(warp * 16 + lane / 4 + 8, kM, kDqRowBytes)};
+  const uint32_t dq_row_offset[2] = {dq_stage_row_offset(warp * 16 + lane / 4, kM),
+                                     dq_stage_row_offset(warp * 16 + lane / 4 + 8, kM)};
 
   float dk[64];
   float dv[64];
@@ -787,24 +783,15 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
       ptx::wgmma_wait_group<0>();
       ptx::fence_accumulators(dq);
       // dQ through the consumed stage: both warpgroups store their 64 dims of every row into the
-      // token-major staging (dq_stage_row_offset), then token t is reduce-added, M rows of
-      // contiguous bytes, by lane t / 8 of consumer warp t % 8. The stage is released once those
-      // reads are done.
+      // token-major staging (dq_stage_row_offset), then token t is reduce-added, M × 512 contiguous
+      // bytes, by lane t / 8 of consumer warp t % 8. The stage is released once those reads are done.
       unsigned char* dq_stage = reinterpret_cast<unsigned char*>(q_stages + s * kStageElements);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        if constexpr (kDq16) {
-          Element* row = reinterpret_cast<Element*>(dq_stage + dq_row_offset[h]) + consumer * 64 + 2 * quad;
+        float* row = reinterpret_cast<float*>(dq_stage + dq_row_offset[h]) + consumer * 64 + 2 * quad;
 #pragma unroll
-          for (int j = 0; j < 8; ++j) {
-            *reinterpret_cast<uint32_t*>(row + 8 * j) = ptx::pack2<Element>(dq[4 * j + 2 * h], dq[4 * j + 2 * h + 1]);
-          }
-        } else {
-          float* row = reinterpret_cast<float*>(dq_stage + dq_row_offset[h]) + consumer * 64 + 2 * quad;
-#pragma unroll
-          for (int j = 0; j < 8; ++j) {
-            *reinterpret_cast<float2*>(row + 8 * j) = make_float2(dq[4 * j + 2 * h], dq[4 * j + 2 * h + 1]);
-          }
+        for (int j = 0; j < 8; ++j) {
+          *reinterpret_cast<float2*>(row + 8 * j) = make_float2(dq[4 * j + 2 * h], dq[4 * j + 2 * h + 1]);
         }
       }
       ptx::fence_proxy_async_shared();
@@ -812,15 +799,9 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
       if (lane < kDqIssueLanes) {
         const int local = (consumer * 4 + warp) + 8 * lane;
         if (local < count) {
-          const int64_t first_row =
-              ((int64_t(key.b) * args.seqlen + m.token[local]) * args.num_heads + key.proxy_head * kM) * kHeadDim;
-          const unsigned char* staged_rows = dq_stage + dq_stage_token_offset(local, kM, kDqRowBytes);
-          if constexpr (kDq16) {
-            ptx::bulk_reduce_add_bf16(reinterpret_cast<Element*>(args.dq_accum) + first_row, staged_rows,
-                                      kM * kDqRowBytes);
-          } else {
-            ptx::bulk_reduce_add_f32(args.dq_accum + first_row, staged_rows, kM * kDqRowBytes);
-          }
+          float* rows = args.dq_accum +
+                        ((int64_t(key.b) * args.seqlen + m.token[local]) * args.num_heads + key.proxy_head * kM) * kHeadDim;
+          ptx::bulk_reduce_add_f32(rows, dq_stage + dq_stage_token_offset(local, kM), kM * kDqStageRowBytes);
         }
         ptx::bulk_commit_group();
       }

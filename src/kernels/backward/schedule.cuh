@@ -59,7 +59,6 @@ struct Problem {
   int proxy_per_kv_head;    // Hp / Hkv
   int tiles_per_item;       // kTilesPerItem, or "unbounded" in deterministic mode
   bool with_kl;             // KL gradient or value requested
-  bool dq_accum_bf16;       // dq_accum holds bf16 (the wgmma kernel, bf16 inputs)
 };
 
 // Slot `slot` of a block_idx row counts when it names a visible block not named by an earlier
