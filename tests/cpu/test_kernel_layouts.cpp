@@ -223,5 +223,17 @@ TEST(BackwardWorkspaceLayout, AccumulatorsAreOneOrderedRange) {
   }
 }
 
+// The wgmma kernel's copy of the schedule's tiles lies outside the zeroed range and holds all of
+// them; the deterministic mode (general kernel) has none.
+TEST(BackwardWorkspaceLayout, DealtTilesHoldEveryTile) {
+  const ProblemShape shape = small_shape(2, 1000, 16, 2, 4, 1, 8, 128, 128);
+  const size_t tile_bytes = 16 * size_t(kernels::schedule::make_schedule_layout(shape).max_tiles);
+  const kernels::backward::WorkspaceLayout layout = kernels::backward::workspace_layout(shape, false);
+  EXPECT_GE(layout.dealt_tiles, layout.kl_sums + 4 * size_t(kernels::backward::kKlSumBlocks));
+  EXPECT_GE(layout.total - layout.dealt_tiles, tile_bytes);
+  const kernels::backward::WorkspaceLayout det = kernels::backward::workspace_layout(shape, true);
+  EXPECT_EQ(det.dealt_tiles, size_t{0});
+}
+
 }  // namespace
 }  // namespace flashmsa::testing

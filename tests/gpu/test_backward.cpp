@@ -55,6 +55,7 @@ struct BackwardCase {
   bool with_kl_grad = true;    // kl_grad non-null (else dq_proxy, dk_proxy must be zero)
   bool with_kl_value = true;   // fwd.kl non-null
   int sample = 0;              // 0: every row and block; else rows/blocks checked per batch
+  int64_t first_checked_row = 0;  // > 0: `sample` rows from here on and the last block only
 };
 
 void PrintTo(const BackwardCase& c, std::ostream* os) { *os << c.name; }
@@ -127,6 +128,19 @@ void checked_subsets(const BackwardCase& c, const ProblemShape& s, uint64_t seed
     if (c.sample == 0) {
       for (int64_t i = 0; i < s.seqlen; ++i) rows->push_back({b, i});
       for (int64_t block = 0; block < s.num_blocks(); ++block) blocks->push_back({b, block});
+      continue;
+    }
+    if (c.first_checked_row > 0) {
+      // Only rows past the first K blocks: every checked row sums K slots of about the same size, so
+      // the atol (set by the largest checked |dq|) gives no room and the 2x term decides.
+      std::vector<int64_t> picked = {s.seqlen - 1};
+      for (int e = 0; e < c.sample; ++e) {
+        picked.push_back(c.first_checked_row + int64_t(rng() % uint64_t(s.seqlen - c.first_checked_row)));
+      }
+      std::sort(picked.begin(), picked.end());
+      picked.erase(std::unique(picked.begin(), picked.end()), picked.end());
+      for (int64_t i : picked) rows->push_back({b, i});
+      blocks->push_back({b, s.num_blocks() - 1});
       continue;
     }
     std::vector<int64_t> picked_rows = {0, 1, s.seqlen - 1};
@@ -344,6 +358,14 @@ std::vector<BackwardCase> correctness_cases() {
   sampled.sample = 6;
   sampled.with_kl_value = false;
   list.push_back(sampled);
+  // Rows that each see K = 16 full slots at one scale (the long-sequence regime), checked alone:
+  // a rounding of dQ per slot or per partial sum shows here, where shorter rows' larger dq would
+  // hide it under the atol.
+  BackwardCase full_k{"full_k_rows_bf16", 1, 2560, 16, 1, 1, 1, 16};
+  full_k.sample = 32;
+  full_k.first_checked_row = 16 * kBlockSize;
+  full_k.with_kl_value = false;
+  list.push_back(full_k);
   return list;
 }
 

@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "flashmsa/params.h"
+#include "kernels/schedule/config.h"
 
 namespace flashmsa::kernels::backward {
 
@@ -301,6 +302,8 @@ struct WorkspaceLayout {
   size_t dk_proxy_accum = 0;  // fp32 [b, s, hp, di]: per proxy head, summed over R at the end
   size_t kl_partial = 0;    // fp32 [b, hp, s, k]: Σ_{j in block} t (log t - log π) per slot
   size_t kl_sums = 0;       // fp32 [kKlSumBlocks]
+  size_t dealt_tiles = 0;   // uint4 [schedule max_tiles]: the schedule's tiles in the order the
+                            // wgmma kernel's CTAs walk them (only where that kernel runs)
   size_t total = 0;
 };
 
@@ -341,6 +344,9 @@ inline WorkspaceLayout workspace_layout(const ProblemShape& shape, bool determin
   layout.dk_proxy_accum = take(4 * tokens * size_t(shape.num_proxy_heads) * proxy_dim);
   layout.kl_partial = take(4 * slots);
   layout.kl_sums = take(4 * kKlSumBlocks);
+  if (pipelined_supported(shape.heads_per_proxy(), deterministic)) {
+    layout.dealt_tiles = take(16 * size_t(schedule::make_schedule_layout(shape).max_tiles));
+  }
   layout.total = at;
   return layout;
 }

@@ -5,11 +5,12 @@
 // Comes after: schedule/kernel.cuh (tiles, entries), kernel.cuh's compute_delta. Comes before:
 // kernel.cuh's finish kernels and reduce_kl. Shared memory layout: config.h (PipelinedLayout).
 //
-// Work. A CTA owns a contiguous range of the schedule's tiles (one CTA per SM). A tile (≤ ⌊128/M⌋
-// tokens of one list (chunk, b, g, c, p)) runs as steps of 64 gathered rows: 4·⌊16/M⌋ tokens × M
-// heads. The rows are permuted so that accumulator column n = 8j + 2(l % 4) + e (PTX "wgmma 64N16
-// D") holds token (l % 4)·⌊16/M⌋ + (2j + e)/M, head (2j + e) % M: the M heads of a token are the
-// columns of one thread, so the KL teacher (the mean over the M heads) is a sum in registers.
+// Work. A CTA owns a contiguous range of each segment's tiles (one CTA per SM; a segment is the
+// lists of one (chunk, b, g)). A tile (≤ ⌊128/M⌋ tokens of one list (chunk, b, g, c, p)) runs as
+// steps of 64 gathered rows: 4·⌊16/M⌋ tokens × M heads. The rows are permuted so that accumulator
+// column n = 8j + 2(l % 4) + e (PTX "wgmma 64N16 D") holds token (l % 4)·⌊16/M⌋ + (2j + e)/M, head
+// (2j + e) % M: the M heads of a token are the columns of one thread, so the KL teacher (the mean
+// over the M heads) is a sum in registers.
 //
 // Roles (3 warpgroups):
 //   producer   warpgroup 0. Per step: writes the step's tokens, slots, LSE, Δ and proxy LSE to the
@@ -80,6 +81,8 @@ struct PipelinedArgs {
   const uint32_t* entries[2];
   const int32_t* header;
   int64_t num_keys;  // list keys of all chunks: tiles[tile_offsets[0] .. tile_offsets[num_keys])
+  int64_t segment_keys;   // list keys of one segment (chunk, b, g): num_blocks · Hp/Hkv
+  uint4* dealt;           // [tiles]: each CTA's tiles, CTA by CTA (written by the CTA itself)
   float* dq_accum;        // [b, s, h, d]
   float* dk_accum;        // [b, s, hkv, d]
   float* dv_accum;
@@ -119,6 +122,17 @@ __device__ __forceinline__ DenseList dense_list(int64_t list, const Args& args) 
   out.first_token = at.first_token;
   out.count = at.count;
   return out;
+}
+
+// This CTA's share [x, y) of the tiles of the segment whose first list key is `first`: the segment's
+// tiles split into gridDim.x contiguous ranges.
+template <typename Args>
+__device__ __forceinline__ uint2 segment_slice(const Args& args, int64_t first) {
+  const int64_t last = first + args.segment_keys < args.num_keys ? first + args.segment_keys : args.num_keys;
+  const uint32_t begin = args.tile_offsets[first];
+  const uint32_t total = args.tile_offsets[last] - begin;
+  return make_uint2(begin + uint32_t(uint64_t(total) * blockIdx.x / gridDim.x),
+                    begin + uint32_t(uint64_t(total) * (blockIdx.x + 1) / gridDim.x));
 }
 
 // kKlOnly: the KL-only dense mode (warmup with the main branch elsewhere). Only Sᵀ (for the teacher),
@@ -192,10 +206,24 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
                     : 0;
   } else {
     entries = args.header[0] == 1 ? args.entries[1] : args.entries[0];
-    const uint32_t begin = args.tile_offsets[0];
-    const uint32_t total = args.tile_offsets[args.num_keys] - begin;
-    lo = begin + uint32_t(uint64_t(total) * blockIdx.x / gridDim.x);
-    num_tiles = int(begin + uint32_t(uint64_t(total) * (blockIdx.x + 1) / gridDim.x) - lo);
+    // Dealing: every segment's tiles are split into gridDim.x contiguous ranges, and a CTA walks its
+    // range of each segment in turn, so at any time the CTAs work in one or two segments: the dQ
+    // rows they reduce into and the Q, dO rows they gather are one KV group's of one query chunk
+    // (134 MB each at paper 16K-row chunks) instead of every chunk's, and more of them hit L2. The
+    // CTA first copies its ranges to its own run of `dealt`, which the producer then reads in
+    // order; the run starts after those of CTAs 0 … x − 1, at Σ over segments of ⌊tiles · x / grid⌋.
+    for (int64_t first = 0; first < args.num_keys; first += args.segment_keys) {
+      const uint2 slice = segment_slice(args, first);
+      lo += slice.x - args.tile_offsets[first];
+    }
+    uint32_t at = lo;
+    for (int64_t first = 0; first < args.num_keys; first += args.segment_keys) {
+      const uint2 slice = segment_slice(args, first);
+      for (uint32_t i = threadIdx.x; i < slice.y - slice.x; i += blockDim.x) args.dealt[at + i] = args.tiles[slice.x + i];
+      at += slice.y - slice.x;
+    }
+    num_tiles = int(at - lo);
+    __syncthreads();
   }
   const int warpgroup = threadIdx.x / 128;
 
@@ -238,7 +266,7 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
         const DenseList dense = dense_list(list, args);
         return make_uint4(uint32_t(list), uint32_t(dense.first_token), uint32_t(dense.count), 0u);
       } else {
-        return args.tiles[lo + t];
+        return args.dealt[lo + t];
       }
     };
     int step = 0;
@@ -959,6 +987,8 @@ Status run_pipelined_tiles(const Problem& pb, cudaStream_t stream) {
   }
   args.header = reinterpret_cast<const int32_t*>(schedule_base + schedule_layout.header);
   args.num_keys = schedule_layout.num_keys;
+  args.segment_keys = shape.num_blocks() * (shape.num_proxy_heads / shape.num_kv_heads);
+  args.dealt = pb.ws.dealt_tiles;
   args.dq_accum = pb.ws.dq_accum;
   args.dk_accum = pb.ws.dk_accum;
   args.dv_accum = pb.ws.dv_accum;

@@ -42,6 +42,7 @@ struct Workspace {
   float* dk_proxy_accum;
   float* kl_partial;
   float* kl_sums;
+  uint4* dealt_tiles;
 };
 
 // Everything the backward kernels read besides the tensors: params, derived sizes, workspace.
