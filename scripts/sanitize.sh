@@ -2,8 +2,8 @@
 # compute-sanitizer over a reduced GPU suite, run on an H100/H200: memcheck (out-of-bounds and
 # misaligned accesses, leaks) and racecheck (shared-memory hazards) on one or two cases of every
 # kernel: select, schedule, the pipelined forward (M = 16, 4 and the first kernel's M = 1), the
-# pipelined backward (M = 16, 4) and the general backward (H = 12, Hp = 12), warmup forward and
-# backward, the wgmma tile check.
+# pipelined backward (M = 16, 4; four segments of tiles in seed_like_bhsd) and the general
+# backward (H = 12, Hp = 12), warmup forward and backward, the wgmma tile check.
 #
 #   scripts/sanitize.sh [BIN_DIR]
 #
@@ -29,6 +29,7 @@ filter="$(printf '%s:' \
   'Configs/ForwardTest.MatchesReference/m1_h8_hkv2_hp8_s700_k16' \
   'Cases/BackwardMatchesReference.AllGradientsAndKl/paper_like_bf16' \
   'Cases/BackwardMatchesReference.AllGradientsAndKl/specialized_like' \
+  'Cases/BackwardMatchesReference.AllGradientsAndKl/seed_like_bhsd' \
   'Cases/BackwardMatchesReference.AllGradientsAndKl/odd_h12_hkv4_hp12' \
   'Named/WarmupMatchesReference.ForwardBackwardAndKl/paper_s200_bf16' \
   'GmmaTile.*')"
