@@ -223,6 +223,15 @@ TEST(BackwardWorkspaceLayout, AccumulatorsAreOneOrderedRange) {
   }
 }
 
+// A chunk's keys are whole segments, one per (b, g), so the backward's segments tile the key range.
+TEST(ScheduleKeys, ChunksAreWholeSegments) {
+  for (const ProblemShape& shape : {small_shape(2, 1000, 16, 2, 4, 1, 8, 128, 128),
+                                    small_shape(1, 4096, 64, 4, 16, 4, 16, 128, 128)}) {
+    EXPECT_EQ(kernels::schedule::keys_per_chunk(shape),
+              int64_t(shape.batch) * shape.num_kv_heads * kernels::schedule::keys_per_segment(shape));
+  }
+}
+
 // The wgmma kernel's copy of the schedule's tiles lies outside the zeroed range and holds all of
 // them; the deterministic mode (general kernel) has none.
 TEST(BackwardWorkspaceLayout, DealtTilesHoldEveryTile) {

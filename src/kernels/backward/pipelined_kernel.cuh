@@ -81,7 +81,7 @@ struct PipelinedArgs {
   const uint32_t* entries[2];
   const int32_t* header;
   int64_t num_keys;  // list keys of all chunks: tiles[tile_offsets[0] .. tile_offsets[num_keys])
-  int64_t segment_keys;   // list keys of one segment (chunk, b, g): num_blocks · Hp/Hkv
+  int64_t segment_keys;   // list keys of one segment (chunk, b, g): schedule::keys_per_segment
   uint4* dealt;           // [tiles]: each CTA's tiles, CTA by CTA (written by the CTA itself)
   float* dq_accum;        // [b, s, h, d]
   float* dk_accum;        // [b, s, hkv, d]
@@ -987,7 +987,7 @@ Status run_pipelined_tiles(const Problem& pb, cudaStream_t stream) {
   }
   args.header = reinterpret_cast<const int32_t*>(schedule_base + schedule_layout.header);
   args.num_keys = schedule_layout.num_keys;
-  args.segment_keys = shape.num_blocks() * (shape.num_proxy_heads / shape.num_kv_heads);
+  args.segment_keys = schedule::keys_per_segment(shape);
   args.dealt = pb.ws.dealt_tiles;
   args.dq_accum = pb.ws.dq_accum;
   args.dk_accum = pb.ws.dk_accum;

@@ -62,6 +62,12 @@ inline int64_t keys_per_chunk(const ProblemShape& shape) {
   return shape.batch * shape.num_proxy_heads * shape.num_blocks();
 }
 
+// Keys of one (chunk, b, g): the lists of a KV group's blocks and proxy heads, consecutive in the
+// key order above (the backward's tile segments).
+inline int64_t keys_per_segment(const ProblemShape& shape) {
+  return shape.num_blocks() * (shape.num_proxy_heads / shape.num_kv_heads);
+}
+
 inline size_t align_up(size_t bytes) { return (bytes + 255) / 256 * 256; }
 
 // Upper bound of CUB's temporary storage for the stable radix sort (DoubleBuffer, onesweep) and
