@@ -23,6 +23,7 @@
 #include "gpu/gpu_test.h"
 #include "gpu/host_tensors.h"
 #include "gpu/random_draws.h"
+#include "kernels/schedule/config.h"
 
 namespace flashmsa {
 namespace {
@@ -366,6 +367,9 @@ std::vector<BackwardCase> correctness_cases() {
   full_k.first_checked_row = 16 * kBlockSize;
   full_k.with_kl_value = false;
   list.push_back(full_k);
+  // Two query chunks (64 heads × K = 64 make 4096-row chunks; 41 × 100 rows, the boundary inside
+  // batch 40): the backward runs its tile and proxy-gradient kernels chunk by chunk.
+  list.push_back({"two_chunks_h64_k64", 41, 100, 64, 4, 4, 1, 64});
   return list;
 }
 
@@ -472,6 +476,13 @@ TEST_P(BackwardMatchesReference, AllGradientsAndKl) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Cases, BackwardMatchesReference, ::testing::ValuesIn(correctness_cases()), case_name);
+
+// The chunked case above really spans two query chunks (the chunk size is a function of the shape).
+TEST(BackwardChunks, NamedCaseSpansTwoChunks) {
+  for (const BackwardCase& c : correctness_cases()) {
+    if (c.name == "two_chunks_h64_k64") EXPECT_EQ(kernels::schedule::num_chunks(shape_of(c)), 2);
+  }
+}
 INSTANTIATE_TEST_SUITE_P(Random, BackwardMatchesReference, ::testing::ValuesIn(random_cases()), case_name);
 
 // ---------------------------------------------------------------------------------------------

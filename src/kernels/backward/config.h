@@ -222,7 +222,7 @@ struct StepMetaOf {
   int32_t count;                 // tokens in the step
   int32_t flags;                 // kStepListLast | kStepUnitLast | kStepLast
   int32_t b, kv_head, block, proxy_head;  // the key decoded (forward::decode_list_key)
-  int32_t unused;
+  uint32_t first_entry;          // the schedule entry of the step's first token
 };
 using StepMeta = StepMetaOf<kStepRows>;
 constexpr int kStepListLast = 1;  // the next step belongs to another list (or there is none)
@@ -287,6 +287,16 @@ inline PipelinedLayout make_pipelined_layout(bool kl_only, int m) {
 // ---------------------------------------------------------------------------------------------
 constexpr int kKlSumBlocks = 256;  // first pass of the ordered KL sum
 
+// The wgmma kernel's KL gradient goes through g = π − t rows: one row of 128 keys in the input
+// dtype per (token, proxy head, slot) of a list, written by the tile kernel and multiplied by the
+// proxy-gradient kernel (proxy_grads.cuh). The backward runs the two kernels query chunk by query
+// chunk, so the rows of one chunk are live: at most chunk_rows · Hp · K rows (268 MB at the paper
+// configuration's 16K-row chunks, 1 GB with 16 proxy heads), read back while much of them is still
+// in L2.
+inline int64_t proxy_grad_chunk_entries(const ProblemShape& shape) {
+  return schedule::chunk_rows(shape) * shape.num_proxy_heads * shape.top_k;
+}
+
 struct WorkspaceLayout {
   size_t chunk_counts = 0;  // int32 [b, hp, chunk, block]: selections per chunk, then their scan
   size_t list_offset = 0;   // int64 [b, hp, block]: first entry of the (b, p, block) list
@@ -304,6 +314,8 @@ struct WorkspaceLayout {
   size_t kl_sums = 0;       // fp32 [kKlSumBlocks]
   size_t dealt_tiles = 0;   // uint4 [schedule max_tiles]: the schedule's tiles in the order the
                             // wgmma kernel's CTAs walk them (only where that kernel runs)
+  size_t proxy_grad = 0;    // 16-bit [proxy_grad_chunk_entries][128]: g = π − t rows of one query
+                            // chunk (only where the wgmma kernel runs)
   size_t total = 0;
 };
 
@@ -346,6 +358,7 @@ inline WorkspaceLayout workspace_layout(const ProblemShape& shape, bool determin
   layout.kl_sums = take(4 * kKlSumBlocks);
   if (pipelined_supported(shape.heads_per_proxy(), deterministic)) {
     layout.dealt_tiles = take(16 * size_t(schedule::make_schedule_layout(shape).max_tiles));
+    layout.proxy_grad = take(2 * size_t(kKeys) * size_t(proxy_grad_chunk_entries(shape)));
   }
   layout.total = at;
   return layout;

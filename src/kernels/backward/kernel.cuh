@@ -616,6 +616,7 @@ inline Problem make_problem(const BackwardParams& params) {
   pb.ws.kl_partial = reinterpret_cast<float*>(base + layout.kl_partial);
   pb.ws.kl_sums = reinterpret_cast<float*>(base + layout.kl_sums);
   pb.ws.dealt_tiles = reinterpret_cast<uint4*>(base + layout.dealt_tiles);
+  pb.ws.proxy_grad = base + layout.proxy_grad;
   pb.num_blocks = shape.num_blocks();
   pb.num_chunks = ceil_div(shape.seqlen, kRowsPerChunk);
   pb.softmax_scale = float(effective_scale(params.fwd.softmax_scale, shape.head_dim));

@@ -31,15 +31,17 @@
 //                                          Q/dO stage; each step token's M rows are reduce-added
 //                                          with one bulk operation (cp.reduce.async.bulk)
 //              KL                          t = mean of P over the M heads, π = exp(s̃σp − plse),
-//                                          g = π − t staged with the q_proxy rows (flush_tokens:
-//                                          64 tokens, 32 at M = 2), then dk_proxy += g·q̃ (m64n128,
-//                                          reduce-added from registers) and dq_proxyᵀ = k̃ᵀ·gᵀ
-//                                          (m64n64, staged in the stage and reduce-added in bulk
-//                                          per token); KL terms per (token, slot)
+//                                          g = π − t stored per (token, slot) as a row of 128 keys
+//                                          in the input dtype (args.proxy_grad), from which
+//                                          proxy_grads.cuh computes dq_proxy and dk_proxy; KL terms
+//                                          per (token, slot)
 //
-// Synchronisation between the consumer warpgroups: two named barriers per step, one after dS, g,
-// the staged q_proxy rows and the KL partials are written (both warpgroups read all of them), one
-// before the next step overwrites them.
+// Synchronisation between the consumer warpgroups: named barriers per step, one after dS and the
+// KL partials are written (both warpgroups read both), one before the next step overwrites them,
+// one after the dQ rows are staged.
+//
+// The KL-only mode (below) keeps the proxy gradients in this kernel: g and the q_proxy rows are
+// staged for flush_tokens tokens, then dk_proxy += g·q̃ (m64n128) and dq_proxyᵀ = k̃ᵀ·gᵀ (m64n64).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -52,6 +54,7 @@
 #include "flashmsa/api.h"
 #include "kernels/backward/config.h"
 #include "kernels/backward/mma.cuh"
+#include "kernels/backward/proxy_grads.cuh"
 #include "kernels/backward/schedule.cuh"
 #include "kernels/common/device_cache.h"
 #include "kernels/common/device_math.h"
@@ -80,7 +83,9 @@ struct PipelinedArgs {
   const uint32_t* tile_offsets;
   const uint32_t* entries[2];
   const int32_t* header;
-  int64_t num_keys;  // list keys of all chunks: tiles[tile_offsets[0] .. tile_offsets[num_keys])
+  const uint32_t* entry_offsets;  // first entry of each list key
+  int64_t key_begin;  // list keys [key_begin, num_keys): whole query chunks
+  int64_t num_keys;
   int64_t segment_keys;   // list keys of one segment (chunk, b, g): schedule::keys_per_segment
   uint4* dealt;           // [tiles]: each CTA's tiles, CTA by CTA (written by the CTA itself)
   float* dq_accum;        // [b, s, h, d]
@@ -90,6 +95,7 @@ struct PipelinedArgs {
   float* dk_proxy_accum;  // [b, s, hp, di]
   float* kl_partial;      // [b, hp, s, k]
   float* kl_rows;         // [b, hp, s]: per-token KL terms (KL-only dense mode)
+  Element* proxy_grad;    // sparse mode: g = π − t, [entry − entry_offsets[key_begin]][kKeys]
   int64_t dense_lists;    // KL-only dense mode: lists of every (b, p), and of one
   int64_t dense_lists_per_bh;
   int dense_chunks;       // token chunks of kDenseChunkTokens
@@ -212,12 +218,12 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
     // (134 MB each at paper 16K-row chunks) instead of every chunk's, and more of them hit L2. The
     // CTA first copies its ranges to its own run of `dealt`, which the producer then reads in
     // order; the run starts after those of CTAs 0 … x − 1, at Σ over segments of ⌊tiles · x / grid⌋.
-    for (int64_t first = 0; first < args.num_keys; first += args.segment_keys) {
+    for (int64_t first = args.key_begin; first < args.num_keys; first += args.segment_keys) {
       const uint2 slice = segment_slice(args, first);
       lo += slice.x - args.tile_offsets[first];
     }
     uint32_t at = lo;
-    for (int64_t first = 0; first < args.num_keys; first += args.segment_keys) {
+    for (int64_t first = args.key_begin; first < args.num_keys; first += args.segment_keys) {
       const uint2 slice = segment_slice(args, first);
       for (uint32_t i = threadIdx.x; i < slice.y - slice.x; i += blockDim.x) args.dealt[at + i] = args.tiles[slice.x + i];
       at += slice.y - slice.x;
@@ -329,6 +335,7 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
                 tile_last && (next_tile.x == 0xffffffffu ||
                               next_tile.x / uint32_t(args.proxy_heads_per_kv) != key.unit);
             m.key = key_value;
+            m.first_entry = tile.y + uint32_t(k * kStepTokens);
             m.count = count;
             m.b = key.b;
             m.kv_head = key.kv_head;
@@ -430,7 +437,7 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
   // swizzle phase is row % 8, so the 16-row k-steps move the address by 16 rows.
   const uint32_t ds_address = ptx::shared_address(
       ds_tile + consumer * kStepRows * 64 + sw128_offset(kStepRows, 8 * (lane / 16) + lane % 8, 2 * warp + (lane / 8) % 2));
-  constexpr uint32_t kMidBarrier = 2;   // dS, g, staged rows, KL partials written by both
+  constexpr uint32_t kMidBarrier = 2;   // dS (KL-only: g, staged rows), KL partials written by both
   constexpr uint32_t kStepBarrier = 3;  // both warpgroups done with the previous step
   constexpr uint32_t kDqBarrier = 4;    // the step's dQ rows staged by both
   // KL-only: the warpgroups take turns issuing Sᵀ (warpgroup c waits on barrier kTurnBarrier + c,
@@ -438,7 +445,7 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
   constexpr uint32_t kTurnBarrier = 5;
   constexpr int kDqIssueLanes = (kStepTokens + 7) / 8;  // tokens per consumer warp, rounded up
   // Lanes that issue bulk reduce-adds: dQ of a step's tokens (sparse), dq_proxy of the staged ones.
-  constexpr int kBulkIssueLanes = kDqIssueLanes > kFlush / 8 ? kDqIssueLanes : kFlush / 8;
+  constexpr int kBulkIssueLanes = kKlOnly ? kFlush / 8 : kDqIssueLanes;
   // This thread's two accumulator rows (warp·16 + lane/4 + 8h) in the dQ staging.
   const uint32_t dq_row_offset[2] = {dq_stage_row_offset(warp * 16 + lane / 4, kM),
                                      dq_stage_row_offset(warp * 16 + lane / 4 + 8, kM)};
@@ -526,6 +533,8 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
       ptx::bulk_commit_group();
     }
   };
+  // Sparse mode: the first entry of the launch's chunk, row 0 of args.proxy_grad.
+  const uint32_t entry_base = !kKlOnly && args.with_kl_grad ? args.entry_offsets[args.key_begin] : 0u;
   uint32_t last_key = 0xffffffffu;
   int lists_seen = 0;
   int staged = 0;  // tokens of (π − t, q_proxy) staged for the proxy gradients
@@ -655,8 +664,8 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
 
       // ---- dS to shared memory as (row, key), transposed by stmatrix: lane 8i + j stores step row
       // 16·k_step + 8·(i / 2) + j, keys 8·(i % 2) … of this warp's 16 -------------------------------------
-      // Both warpgroups finished the previous step first: its dQ and proxy GEMMs read dS, g, the staged
-      // q_proxy rows and the KL partials that this step overwrites.
+      // Both warpgroups finished the previous step first: its dQ GEMM and KL sums read the dS and
+      // the KL partials that this step overwrites.
       if (step > 0) ptx::named_barrier_sync(kStepBarrier, 256);
 #pragma unroll
       for (int k_step = 0; k_step < 4; ++k_step) ptx::stmatrix_x4_trans(ds_address + k_step * 16 * 128, ds_frag[k_step]);
@@ -677,6 +686,7 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
         const int local = quad * kT + i;
         const float plse = m.proxy_lse[local];
         const int token = m.token[local];
+        float g[2];
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int index = 4 * (i / 2) + 2 * h + (i % 2);
@@ -687,10 +697,27 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
           // t·log t → 0 as t → 0: below 2^-100 the term (< 2^-93) is dropped, which keeps the
           // one-instruction log2 off denormals and the sum free of a branch.
           kl[i] += t > 0x1p-100f ? t * ((log2_approx(t) - x) * kLn2) : 0.f;
+          g[h] = pi - t;
+          if constexpr (kKlOnly) {
+            if (args.with_kl_grad) {
+              const int key_local = consumer * 64 + warp * 16 + lane / 4 + 8 * h;
+              g_tile[sw128_offset(kKeys, key_local, (staged + local) / 8) + (staged + local) % 8] =
+                  from_float<Element>(g[h]);
+            }
+          }
+        }
+        if constexpr (!kKlOnly) {
           if (args.with_kl_grad) {
-            const int key_local = consumer * 64 + warp * 16 + lane / 4 + 8 * h;
-            g_tile[sw128_offset(kKeys, key_local, (staged + local) / 8) + (staged + local) % 8] =
-                from_float<Element>(pi - t);
+            // The token's g row (proxy_grads.cuh multiplies it). This thread holds keys r = lane / 4
+            // and r + 8 of the warp's 16, the lane with r ^ 1 their neighbours: after one exchange an
+            // even r stores keys (r, r + 1) and an odd r keys (r + 7, r + 8), 4 bytes each.
+            const bool even = ((lane / 4) & 1) == 0;
+            const float other = __shfl_xor_sync(0xffffffffu, even ? g[1] : g[0], 4);
+            if (local < count) {
+              const int key_local = consumer * 64 + warp * 16 + lane / 4 + (even ? 0 : 7);
+              *reinterpret_cast<uint32_t*>(args.proxy_grad + int64_t(m.first_entry + uint32_t(local) - entry_base) * kKeys +
+                                           key_local) = even ? pack2<Element>(g[0], other) : pack2<Element>(other, g[1]);
+            }
           }
         }
       }
@@ -703,7 +730,7 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
         const int column = (kKlOnly ? staged : 0) + quad * kT + i;
         if (lane < 4) kl_parts[(consumer * 4 + warp) * kMaxStepTokens + column] = kl[i];
       }
-      if (args.with_kl_grad) {
+      if (kKlOnly && args.with_kl_grad) {
         // The step's q_proxy rows to staged rows staged + token: all staged rows when a flush begins
         // (zeros past the step and for padding tokens), then the step's rows. Staged row r, chunk c is
         // always copied by thread (16r + c) % 256, so the steps of one flush need no barrier between them.
@@ -720,7 +747,7 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
           *reinterpret_cast<uint4*>(qp_flush + sw128_offset(kFlush, row, chunk)) = value;
         }
       }
-      if (consumer_thread < kStepTokens) flush_token[staged + consumer_thread] = m.token[consumer_thread];
+      if (kKlOnly && consumer_thread < kStepTokens) flush_token[staged + consumer_thread] = m.token[consumer_thread];
     }
     if constexpr (kKlOnly) {
       // ---- KL-only: the staged tokens are flushed every kFlush tokens and at the list's end ----
@@ -785,7 +812,7 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
     ptx::wgmma_wait_group<0>();
     ptx::fence_accumulators(dk);
     ptx::fence_accumulators(dv);
-    ptx::fence_proxy_async_shared();  // dS, g and the staged rows are wgmma operands
+    ptx::fence_proxy_async_shared();  // dS is a wgmma operand
     ptx::named_barrier_sync(kMidBarrier, 256);
     {
       // ---- dQ = dS·K: this warpgroup's 64 dims, K MN-major ----------------------------------------------
@@ -833,38 +860,6 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
         }
         ptx::bulk_commit_group();
       }
-    }
-    if (args.with_kl_grad) staged += count;
-
-    // ---- proxy gradients of the staged tokens ---------------------------------------------------------
-    if (args.with_kl_grad && ((flags & kStepListLast) || staged + kStepTokens > kFlush)) {
-      {
-        float acc[64];
-        ptx::wgmma_fence();
-        dk_proxy_product(acc, 0u);
-        ptx::wgmma_commit_group();
-        ptx::wgmma_wait_group<0>();
-        ptx::fence_accumulators(acc);
-        reduce_add_dk_proxy(acc, key, first_key);
-      }
-      {
-        float acc[32];
-        ptx::wgmma_fence();
-        dq_proxy_product(acc);
-        ptx::wgmma_commit_group();
-        // dq_proxy is staged in this step's stage once the dQ bulk reduce-adds of every issuing
-        // lane have read it.
-        if (lane < kDqIssueLanes) ptx::bulk_wait_group_read<0>();
-        ptx::wgmma_wait_group<0>();
-        ptx::fence_accumulators(acc);
-        ptx::named_barrier_sync(kDqBarrier, 256);
-        float* dqp_stage = reinterpret_cast<float*>(q_stages + s * kStageElements);
-        stage_dq_proxy(acc, dqp_stage);
-        ptx::fence_proxy_async_shared();
-        ptx::named_barrier_sync(kDqBarrier, 256);
-        reduce_add_dq_proxy(dqp_stage, key, staged);
-      }
-      staged = 0;
     }
     if (lane < kBulkIssueLanes) ptx::bulk_wait_group_read<0>();
     ptx::mbarrier_arrive(&q_empty[s]);
@@ -986,7 +981,6 @@ Status run_pipelined_tiles(const Problem& pb, cudaStream_t stream) {
     args.entries[i] = reinterpret_cast<const uint32_t*>(schedule_base + schedule_layout.values[i]);
   }
   args.header = reinterpret_cast<const int32_t*>(schedule_base + schedule_layout.header);
-  args.num_keys = schedule_layout.num_keys;
   args.segment_keys = schedule::keys_per_segment(shape);
   args.dealt = pb.ws.dealt_tiles;
   args.dq_accum = pb.ws.dq_accum;
@@ -1002,9 +996,41 @@ Status run_pipelined_tiles(const Problem& pb, cudaStream_t stream) {
   args.with_kl = pb.with_kl ? 1 : 0;
   args.with_kl_grad = params.kl_grad != nullptr ? 1 : 0;
 
-  const cudaError_t error = launch_pipelined<Element, false>(args, pb.heads_per_proxy, 0, stream);
-  if (error == cudaSuccess) return Status::Ok();
-  return {StatusCode::kCudaError, std::string("backward: pipelined tiles: ") + cudaGetErrorString(error)};
+  args.entry_offsets = reinterpret_cast<const uint32_t*>(schedule_base + schedule_layout.entry_offsets);
+  args.proxy_grad = static_cast<Element*>(pb.ws.proxy_grad);
+
+  ProxyGradArgs<Element> proxy{};
+  proxy.q_proxy = args.q_proxy;
+  proxy.k_proxy = args.k_proxy;
+  proxy.g = args.proxy_grad;
+  proxy.entries[0] = args.entries[0];
+  proxy.entries[1] = args.entries[1];
+  proxy.header = args.header;
+  proxy.tiles = args.tiles;
+  proxy.tile_offsets = args.tile_offsets;
+  proxy.entry_offsets = args.entry_offsets;
+  proxy.dq_proxy_accum = pb.ws.dq_proxy_accum;
+  proxy.dk_proxy_accum = pb.ws.dk_proxy_accum;
+  set_shape_fields(proxy, shape);
+
+  // With the KL gradient, chunk by chunk the tile kernel and then the proxy-gradient kernel over the
+  // chunk's g rows (config.h); without, one launch over all chunks.
+  const int64_t launch_keys = args.with_kl_grad ? schedule::keys_per_chunk(shape) : schedule_layout.num_keys;
+  for (int64_t begin = 0; begin < schedule_layout.num_keys; begin += launch_keys) {
+    const int64_t end = std::min(begin + launch_keys, schedule_layout.num_keys);
+    args.key_begin = begin;
+    args.num_keys = end;
+    const cudaError_t error = launch_pipelined<Element, false>(args, pb.heads_per_proxy, 0, stream);
+    if (error != cudaSuccess) {
+      return {StatusCode::kCudaError, std::string("backward: pipelined tiles: ") + cudaGetErrorString(error)};
+    }
+    if (args.with_kl_grad) {
+      proxy.key_begin = begin;
+      proxy.key_end = end;
+      if (Status status = launch_proxy_grads(proxy, stream); !status.ok()) return status;
+    }
+  }
+  return Status::Ok();
 }
 
 }  // namespace flashmsa::kernels::backward

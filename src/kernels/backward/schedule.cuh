@@ -43,6 +43,7 @@ struct Workspace {
   float* kl_partial;
   float* kl_sums;
   uint4* dealt_tiles;
+  void* proxy_grad;  // 16-bit g = π − t rows of one pass of query chunks
 };
 
 // Everything the backward kernels read besides the tensors: params, derived sizes, workspace.

@@ -1,0 +1,310 @@
+// The proxy heads' gradients of the sparse backward (SPEC.md §3), from the g = π − t rows the wgmma
+// tile kernel (pipelined_kernel.cuh) stores: per list (chunk, b, g, c, p) and entry e (a token's
+// selection of block c) one row g[e][128 keys] in the input dtype, exactly as the products below
+// consume it.
+//
+//   dq_proxy[token] += g[e] · k̃[block]          (64 entries × 128 keys × 128 dims per item)
+//   dk_proxy[block] += Σ_e g[e]ᵀ · q̃[token(e)]  (128 keys × 64 entries × 128 dims per item)
+//
+// Comes after: the tile kernel of the same query chunk. Comes before: kernel.cuh's finish
+// kernels. Layout of g: config.h (proxy_grad_*); design: docs/design.md "Backward".
+//
+// Work. A CTA takes a contiguous range of the chunk's schedule tiles and walks it as items of up
+// to 64 consecutive entries of one list. The items' g rows (16 KB, contiguous), q̃ rows (gathered)
+// and k̃ block (reloaded only when the list changes) are copied with cp.async into one of two
+// buffers while the other is multiplied (mma.sync m16n8k16; 4 MFLOP per item, too little for
+// wgmma's pipeline to matter next to the bytes). dq_proxy is reduce-added per item; dk_proxy of the
+// list's 128 keys (16 per warp) stays in registers while the list lasts and is reduce-added when
+// the CTA's part of the list ends.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+#include <string>
+
+#include "flashmsa/api.h"
+#include "kernels/backward/config.h"
+#include "kernels/backward/mma.cuh"
+#include "kernels/common/device_cache.h"
+#include "kernels/common/strided.h"
+#include "kernels/forward/pipelined_kernel.cuh"
+
+namespace flashmsa::kernels::backward {
+
+template <typename Element>
+struct ProxyGradArgs {
+  Strided<const Element> q_proxy, k_proxy;
+  const Element* g;  // [entry − entry_offsets[key_begin]][kKeys]
+  const uint32_t* entries[2];
+  const int32_t* header;
+  const uint4* tiles;
+  const uint32_t* tile_offsets;
+  const uint32_t* entry_offsets;
+  int64_t key_begin, key_end;  // the chunk's list keys
+  float* dq_proxy_accum;       // [b, s, hp, di]
+  float* dk_proxy_accum;       // [b, s, hp, di]
+  int seqlen, num_blocks, batch;
+  int num_heads, num_kv_heads, num_proxy_heads, proxy_heads_per_kv, proxy_ratio;
+};
+
+constexpr int kProxyGradThreads = 256;
+constexpr int kProxyItemEntries = 64;
+constexpr int kProxyPitch = kHeadDim + 8;  // elements per shared row: ldmatrix rows hit 8 bank groups
+constexpr int kProxyTileCache = kProxyGradThreads;  // schedule tiles read per refill, one per thread
+constexpr int kProxyRowsPerThread = kProxyItemEntries * 16 / kProxyGradThreads;  // 16-byte copies per row set
+struct ProxyGradBuffer {
+  uint16_t g[kProxyItemEntries * kProxyPitch];
+  uint16_t q_proxy[kProxyItemEntries * kProxyPitch];
+  uint16_t k_proxy[kKeys * kProxyPitch];
+  int32_t token[kProxyItemEntries];
+};
+struct ProxyGradShared {
+  ProxyGradBuffer buffers[2];
+  uint4 tiles[kProxyTileCache];  // the CTA's schedule tiles [tile_cache_first, + kProxyTileCache)
+};
+constexpr int kProxyGradSmemBytes = int(sizeof(ProxyGradShared));
+
+struct ProxyItem {
+  uint32_t key, begin, count;  // list key, first entry, entries (≤ 64)
+};
+
+template <typename Element>
+__global__ void __launch_bounds__(kProxyGradThreads, 1) proxy_grads_kernel(const ProxyGradArgs<Element> args) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  ProxyGradShared& shared = *reinterpret_cast<ProxyGradShared*>(smem_raw);
+  const int thread = threadIdx.x;
+  const int warp = thread / 32;
+  const int lane = thread % 32;
+  const uint32_t* entries = args.header[0] == 1 ? args.entries[1] : args.entries[0];
+  const uint32_t entry_base = args.entry_offsets[args.key_begin];
+  const uint32_t first_tile = args.tile_offsets[args.key_begin];
+  const uint64_t total = args.tile_offsets[args.key_end] - first_tile;
+  uint32_t t = first_tile + uint32_t(total * blockIdx.x / gridDim.x);
+  const uint32_t t_end = first_tile + uint32_t(total * (blockIdx.x + 1) / gridDim.x);
+  uint32_t t_used = 0;  // entries of tile t already taken
+
+  // Tiles come from a shared copy refilled 256 at a time (one load per thread), so walking them
+  // costs no dependent global loads. Called by all threads alike.
+  uint32_t cache_first = 0xffffffffu;
+  auto tile_at = [&](uint32_t index) {
+    if (cache_first == 0xffffffffu || index >= cache_first + kProxyTileCache) {
+      __syncthreads();  // every thread is done reading the previous copy
+      cache_first = index;
+      if (index + thread < t_end) shared.tiles[thread] = args.tiles[index + thread];
+      __syncthreads();
+    }
+    return shared.tiles[index - cache_first];
+  };
+  // The next item: up to 64 entries of consecutive tiles of one list (a list's tiles hold
+  // consecutive entries).
+  auto next_item = [&](ProxyItem& item) {
+    if (t >= t_end) return false;
+    uint4 tile = tile_at(t);
+    item.key = tile.x;
+    item.begin = tile.y + t_used;
+    item.count = 0;
+    while (item.count < kProxyItemEntries) {
+      const uint32_t take = min(uint32_t(kProxyItemEntries) - item.count, tile.z - t_used);
+      item.count += take;
+      t_used += take;
+      if (t_used < tile.z) break;
+      ++t;
+      t_used = 0;
+      if (t >= t_end) break;
+      tile = tile_at(t);
+      if (tile.x != item.key) break;
+    }
+    return true;
+  };
+  // The query positions of this thread's copy rows (thread / 16 + 16·i) of an item, loaded an item
+  // ahead of the copies that need them.
+  auto load_tokens = [&](const ProxyItem& item, int (&token)[kProxyRowsPerThread]) {
+#pragma unroll
+    for (int i = 0; i < kProxyRowsPerThread; ++i) {
+      const int row = thread / 16 + 16 * i;
+      token[i] = row < int(item.count) ? int(entries[item.begin + row] >> schedule::kSlotBits) : -1;
+    }
+  };
+
+  uint32_t loaded_key[2] = {0xffffffffu, 0xffffffffu};  // the list whose k̃ block each buffer holds
+  auto issue = [&](const ProxyItem& item, int index, const int (&token)[kProxyRowsPerThread]) {
+    ProxyGradBuffer& buffer = shared.buffers[index];
+    const forward::ListKey key = forward::decode_list_key(item.key, args);
+    const Element* g_rows = args.g + int64_t(item.begin - entry_base) * kKeys;
+    const int chunk = thread % 16;
+#pragma unroll
+    for (int i = 0; i < kProxyRowsPerThread; ++i) {
+      const int row = thread / 16 + 16 * i;
+      const bool valid = token[i] >= 0;
+      const Element* src = valid ? g_rows + row * kKeys + chunk * 8 : args.g;
+      cp_async_16(buffer.g + row * kProxyPitch + chunk * 8, src, valid);
+      const Element* q_src = valid ? args.q_proxy.row(key.b, token[i], key.proxy_head) + chunk * 8 : args.q_proxy.ptr;
+      cp_async_16(buffer.q_proxy + row * kProxyPitch + chunk * 8, q_src, valid);
+      if (chunk == 0) buffer.token[row] = token[i];
+    }
+    // (index is uniform; the selects keep the pair in registers)
+    if ((index == 0 ? loaded_key[0] : loaded_key[1]) != item.key) {
+      if (index == 0) {
+        loaded_key[0] = item.key;
+      } else {
+        loaded_key[1] = item.key;
+      }
+      const int first_key = key.block * kBlockSize;
+      const int proxy_key_head = key.proxy_head / args.proxy_ratio;
+      for (int i = thread; i < kKeys * 16; i += kProxyGradThreads) {
+        const int row = i / 16;
+        const bool valid = first_key + row < args.seqlen;
+        const Element* src = valid ? args.k_proxy.row(key.b, first_key + row, proxy_key_head) + chunk * 8 : args.k_proxy.ptr;
+        cp_async_16(buffer.k_proxy + row * kProxyPitch + chunk * 8, src, valid);
+      }
+    }
+    ptx::cp_async_commit();
+  };
+
+  // dk_proxy of keys 16·warp … 16·warp + 15 × 128 dims: element [n][4]: keys +lane/4 (+8 for
+  // elements 2, 3), dims 8n + 2·(lane % 4) + {0, 1}.
+  float dk[16][4];
+#pragma unroll
+  for (int n = 0; n < 16; ++n) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dk[n][e] = 0.f;
+  }
+  uint32_t dk_key = 0xffffffffu;
+  auto flush_dk = [&]() {
+    const forward::ListKey key = forward::decode_list_key(dk_key, args);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int key_pos = key.block * kBlockSize + 16 * warp + lane / 4 + 8 * h;
+      if (key_pos < args.seqlen) {
+        float* row = args.dk_proxy_accum +
+                     ((int64_t(key.b) * args.seqlen + key_pos) * args.num_proxy_heads + key.proxy_head) * kHeadDim +
+                     2 * (lane % 4);
+#pragma unroll
+        for (int n = 0; n < 16; ++n) reduce_add2(row + 8 * n, dk[n][2 * h], dk[n][2 * h + 1]);
+      }
+    }
+#pragma unroll
+    for (int n = 0; n < 16; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dk[n][e] = 0.f;
+    }
+  };
+
+  // Software pipeline: while item i is multiplied, item i + 1's copies are in flight and item i + 2's
+  // query positions are being loaded.
+  ProxyItem item;
+  if (!next_item(item)) return;
+  {
+    int token[kProxyRowsPerThread];
+    load_tokens(item, token);
+    issue(item, 0, token);
+  }
+  ProxyItem next{};
+  bool has_next = next_item(next);
+  int next_token[kProxyRowsPerThread] = {};
+  if (has_next) load_tokens(next, next_token);
+  for (int index = 0;; index ^= 1) {
+    // The other buffer was last read before the barrier that ended the previous item.
+    if (has_next) issue(next, index ^ 1, next_token);
+    ProxyItem after{};
+    const bool has_after = has_next && next_item(after);
+    int after_token[kProxyRowsPerThread] = {};
+    if (has_after) load_tokens(after, after_token);
+    if (has_next) {
+      ptx::cp_async_wait<1>();
+    } else {
+      ptx::cp_async_wait<0>();
+    }
+    __syncthreads();
+    const ProxyGradBuffer& buffer = shared.buffers[index];
+    const forward::ListKey key = forward::decode_list_key(item.key, args);
+
+    // ---- dq_proxy = g · k̃: warp w takes entries 16·(w % 4) …, dims 64·(w / 4) … ---------------------
+    {
+      const int m0 = 16 * (warp % 4);
+      const int n0 = 64 * (warp / 4);
+      float dq[8][4];
+#pragma unroll
+      for (int n = 0; n < 8; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dq[n][e] = 0.f;
+      }
+#pragma unroll
+      for (int k_step = 0; k_step < kKeys / 16; ++k_step) {
+        uint32_t a[4];
+        ldmatrix_x4(a, buffer.g + (m0 + lane % 16) * kProxyPitch + 16 * k_step + 8 * (lane / 16));
+#pragma unroll
+        for (int pair = 0; pair < 4; ++pair) {
+          uint32_t b[4];
+          ldmatrix_x4_trans(b, buffer.k_proxy + (16 * k_step + lane % 8 + 8 * ((lane / 8) % 2)) * kProxyPitch + n0 +
+                                   16 * pair + 8 * (lane / 16));
+          mma_16816<Element>(dq[2 * pair], a, b[0], b[1]);
+          mma_16816<Element>(dq[2 * pair + 1], a, b[2], b[3]);
+        }
+      }
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int token = buffer.token[m0 + lane / 4 + 8 * h];
+        if (token >= 0) {
+          float* row = args.dq_proxy_accum +
+                       ((int64_t(key.b) * args.seqlen + token) * args.num_proxy_heads + key.proxy_head) * kHeadDim +
+                       n0 + 2 * (lane % 4);
+#pragma unroll
+          for (int n = 0; n < 8; ++n) reduce_add2(row + 8 * n, dq[n][2 * h], dq[n][2 * h + 1]);
+        }
+      }
+    }
+
+    // ---- dk_proxy += gᵀ · q̃: warp w takes keys 16·w …, all 128 dims ------------------------------------
+    if (item.key != dk_key) {
+      if (dk_key != 0xffffffffu) flush_dk();
+      dk_key = item.key;
+    }
+    {
+      const int m0 = 16 * warp;
+#pragma unroll
+      for (int k_step = 0; k_step < kProxyItemEntries / 16; ++k_step) {
+        uint32_t a[4];
+        ldmatrix_x4_trans(a, buffer.g + (16 * k_step + lane % 8 + 8 * (lane / 16)) * kProxyPitch + m0 +
+                                 8 * ((lane / 8) % 2));
+#pragma unroll
+        for (int pair = 0; pair < 8; ++pair) {
+          uint32_t b[4];
+          ldmatrix_x4_trans(b, buffer.q_proxy + (16 * k_step + lane % 8 + 8 * ((lane / 8) % 2)) * kProxyPitch +
+                                   16 * pair + 8 * (lane / 16));
+          mma_16816<Element>(dk[2 * pair], a, b[0], b[1]);
+          mma_16816<Element>(dk[2 * pair + 1], a, b[2], b[3]);
+        }
+      }
+    }
+    __syncthreads();  // this buffer's readers are done before an issue overwrites it
+    if (!has_next) break;
+    item = next;
+    next = after;
+    has_next = has_after;
+#pragma unroll
+    for (int i = 0; i < kProxyRowsPerThread; ++i) next_token[i] = after_token[i];
+  }
+  flush_dk();
+}
+
+template <typename Element>
+Status launch_proxy_grads(const ProxyGradArgs<Element>& args, cudaStream_t stream) {
+  int device = 0;
+  int sm_count = 0;
+  cudaError_t error = current_device_sms(&device, &sm_count);
+  if (error == cudaSuccess) {
+    error = set_max_dynamic_smem(reinterpret_cast<const void*>(proxy_grads_kernel<Element>), device,
+                                 kProxyGradSmemBytes);
+  }
+  if (error == cudaSuccess) {
+    proxy_grads_kernel<Element><<<unsigned(sm_count), kProxyGradThreads, kProxyGradSmemBytes, stream>>>(args);
+    error = cudaGetLastError();
+  }
+  if (error == cudaSuccess) return Status::Ok();
+  return {StatusCode::kCudaError, std::string("backward: proxy gradients: ") + cudaGetErrorString(error)};
+}
+
+}  // namespace flashmsa::kernels::backward
