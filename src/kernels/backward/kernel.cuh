@@ -494,11 +494,22 @@ __global__ void __launch_bounds__(kThreads, 1) backward_tiles_kernel(const Probl
 }
 
 // ---------------------------------------------------------------------------------------------
-// Finish: fp32 accumulators -> gradients in T. One warp per (b, i, head), 4 dims per lane.
+// Finish: fp32 accumulators -> gradients in T. 4 dims per lane; a warp takes kFinishRowsPerWarp
+// consecutive (b, i, head) rows of the query side (their loads issued together) and one row of
+// the key side.
 // ---------------------------------------------------------------------------------------------
+constexpr int kFinishRowsPerWarp = 4;
+
+// values · factor rounded to T, one 8-byte store (out is 8-byte aligned: rows are 16-byte aligned).
 template <typename T>
 __device__ __forceinline__ void store4(T* out, const float (&values)[4], float factor) {
-  for (int e = 0; e < 4; ++e) out[e] = from_float<T>(values[e] * factor);
+  union {
+    T elements[4];
+    uint2 bits;
+  } packed;
+#pragma unroll
+  for (int e = 0; e < 4; ++e) packed.elements[e] = from_float<T>(values[e] * factor);
+  *reinterpret_cast<uint2*>(out) = packed.bits;
 }
 
 __device__ __forceinline__ void add4(float (&acc)[4], const float* source) {
@@ -509,53 +520,90 @@ __device__ __forceinline__ void add4(float (&acc)[4], const float* source) {
   acc[3] += x.w;
 }
 
-// Heads H (dq) then Hp (dq_proxy) per token.
+// Heads H (dq) then Hp (dq_proxy) per token. In the non-deterministic mode each output row has one
+// accumulator row, and the warp's four loads go out before any store; the deterministic mode sums
+// a row's per-slot buffers in slot order.
 template <typename T>
 __global__ void __launch_bounds__(kThreads) finish_query_grads_kernel(const Problem pb) {
   const ProblemShape& shape = pb.params.fwd.shape;
   const int lane = threadIdx.x & 31;
   const int heads = shape.num_heads + shape.num_proxy_heads;
-  const int64_t row = int64_t(blockIdx.x) * kWarps + (threadIdx.x >> 5);
-  if (row >= shape.batch * shape.seqlen * heads) return;
-  const int head = int(row % heads);
-  const int64_t token = (row / heads) % shape.seqlen;
-  const int64_t batch = row / (int64_t(heads) * shape.seqlen);
+  const int64_t rows = int64_t(shape.batch) * shape.seqlen * heads;
+  const int64_t first = (int64_t(blockIdx.x) * kWarps + (threadIdx.x >> 5)) * kFinishRowsPerWarp;
+  if (first >= rows) return;
   const int M = pb.heads_per_proxy;
   const int dim = lane * 4;
-  float acc[4] = {0.f, 0.f, 0.f, 0.f};
-  if (head < shape.num_heads) {
-    const int proxy_head = head / M;
-    if (pb.params.deterministic) {
-      const int32_t* slots = block_idx_row(pb, batch, proxy_head, token);
-      const int64_t slot_row = ((batch * shape.num_proxy_heads + proxy_head) * shape.seqlen + token) * shape.top_k;
+  const bool deterministic = pb.params.deterministic;
+  const bool with_kl_grad = pb.params.kl_grad != nullptr;
+  const float kl_factor = kl_gradient_factor(pb.params, pb.proxy_scale);
+
+  int64_t token_row = first / heads;  // b · S + i
+  int head = int(first - token_row * heads);
+  int64_t batch = token_row / shape.seqlen;
+  int64_t token = token_row - batch * shape.seqlen;
+  const float* source[kFinishRowsPerWarp];  // the row's accumulator (non-deterministic), or null
+  T* target[kFinishRowsPerWarp];            // null past the last row
+  float factor[kFinishRowsPerWarp];
+  int64_t row_batch[kFinishRowsPerWarp], row_token[kFinishRowsPerWarp];
+  int row_head[kFinishRowsPerWarp];
+#pragma unroll
+  for (int u = 0; u < kFinishRowsPerWarp; ++u) {
+    const bool valid = first + u < rows;
+    row_batch[u] = batch;
+    row_token[u] = token;
+    row_head[u] = head;
+    if (head < shape.num_heads) {
+      source[u] = pb.ws.dq_accum + ((batch * shape.seqlen + token) * shape.num_heads + head) * kHeadDim + dim;
+      target[u] = strided<T>(pb.params.dq).row(batch, token, head) + dim;
+      factor[u] = pb.softmax_scale;
+    } else {
+      const int proxy_head = head - shape.num_heads;
+      source[u] = with_kl_grad ? pb.ws.dq_proxy_accum +
+                                     ((batch * shape.seqlen + token) * shape.num_proxy_heads + proxy_head) * kHeadDim + dim
+                               : nullptr;
+      target[u] = strided<T>(pb.params.dq_proxy).row(batch, token, proxy_head) + dim;
+      factor[u] = kl_factor;
+    }
+    if (!valid) target[u] = nullptr;
+    if (deterministic || !valid) source[u] = nullptr;
+    if (++head == heads) {
+      head = 0;
+      if (++token == shape.seqlen) {
+        token = 0;
+        ++batch;
+      }
+    }
+  }
+  float acc[kFinishRowsPerWarp][4];
+#pragma unroll
+  for (int u = 0; u < kFinishRowsPerWarp; ++u) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[u][e] = 0.f;
+    if (source[u] != nullptr) add4(acc[u], source[u]);
+  }
+  if (deterministic) {
+#pragma unroll
+    for (int u = 0; u < kFinishRowsPerWarp; ++u) {
+      if (target[u] == nullptr || (row_head[u] >= shape.num_heads && !with_kl_grad)) continue;
+      const bool main_head = row_head[u] < shape.num_heads;
+      const int proxy_head = main_head ? row_head[u] / M : row_head[u] - shape.num_heads;
+      const int32_t* slots = block_idx_row(pb, row_batch[u], proxy_head, row_token[u]);
+      const int64_t slot_row =
+          ((row_batch[u] * shape.num_proxy_heads + proxy_head) * shape.seqlen + row_token[u]) * shape.top_k;
       for (int slot = 0; slot < shape.top_k; ++slot) {
-        if (slot_valid(slots, slot, token, pb.num_blocks)) {
-          add4(acc, pb.ws.dq_accum + ((slot_row + slot) * M + head % M) * kHeadDim + dim);
+        if (!slot_valid(slots, slot, row_token[u], pb.num_blocks)) continue;
+        if (main_head) {
+          add4(acc[u], pb.ws.dq_accum + ((slot_row + slot) * M + row_head[u] % M) * kHeadDim + dim);
+        } else {
+          add4(acc[u], pb.ws.dq_proxy_accum + (slot_row + slot) * kHeadDim + dim);
         }
       }
-    } else {
-      add4(acc, pb.ws.dq_accum + ((batch * shape.seqlen + token) * shape.num_heads + head) * kHeadDim + dim);
-    }
-    store4(strided<T>(pb.params.dq).row(batch, token, head) + dim, acc, pb.softmax_scale);
-    return;
-  }
-  const int proxy_head = head - shape.num_heads;
-  const float factor = kl_gradient_factor(pb.params, pb.proxy_scale);
-  if (pb.params.kl_grad != nullptr) {
-    if (pb.params.deterministic) {
-      const int32_t* slots = block_idx_row(pb, batch, proxy_head, token);
-      const int64_t slot_row = ((batch * shape.num_proxy_heads + proxy_head) * shape.seqlen + token) * shape.top_k;
-      for (int slot = 0; slot < shape.top_k; ++slot) {
-        if (slot_valid(slots, slot, token, pb.num_blocks)) {
-          add4(acc, pb.ws.dq_proxy_accum + (slot_row + slot) * kHeadDim + dim);
-        }
-      }
-    } else {
-      add4(acc, pb.ws.dq_proxy_accum +
-                    ((batch * shape.seqlen + token) * shape.num_proxy_heads + proxy_head) * kHeadDim + dim);
     }
   }
-  store4(strided<T>(pb.params.dq_proxy).row(batch, token, proxy_head) + dim, acc, factor);
+#pragma unroll
+  for (int u = 0; u < kFinishRowsPerWarp; ++u) {
+    if (target[u] != nullptr) store4(target[u], acc[u], factor[u]);
+  }
 }
 
 // Heads Hkv (dk), Hkv (dv), then Hpk (dk_proxy, summed over its R proxy heads in order) per key.
@@ -686,7 +734,8 @@ Status finish(const Problem& pb, cudaStream_t stream) {
   const ProblemShape& shape = params.fwd.shape;
   const int64_t tokens = shape.batch * shape.seqlen;
   const int64_t query_rows = tokens * (shape.num_heads + shape.num_proxy_heads);
-  finish_query_grads_kernel<T><<<unsigned(ceil_div(query_rows, kWarps)), kThreads, 0, stream>>>(pb);
+  finish_query_grads_kernel<T><<<unsigned(ceil_div(query_rows, int64_t(kWarps) * kFinishRowsPerWarp)), kThreads, 0,
+                                  stream>>>(pb);
   FLASHMSA_BACKWARD_CHECK(cudaGetLastError(), "finish_query_grads");
   const int64_t key_rows = tokens * (2 * shape.num_kv_heads + shape.num_proxy_kv_heads);
   finish_key_grads_kernel<T><<<unsigned(ceil_div(key_rows, kWarps)), kThreads, 0, stream>>>(pb);

@@ -11,8 +11,8 @@
 //
 // Work. A CTA takes a contiguous range of the chunk's schedule tiles and walks it as items of up
 // to 64 consecutive entries of one list. The items' g rows (16 KB, contiguous), q̃ rows (gathered)
-// and k̃ block (reloaded only when the list changes) are copied with cp.async into one of two
-// buffers while the other is multiplied (mma.sync m16n8k16; 4 MFLOP per item, too little for
+// and k̃ block (reloaded when the buffer last held another list) are copied with cp.async into one
+// of three buffers while another is multiplied (mma.sync m16n8k16; 4 MFLOP per item, too little for
 // wgmma's pipeline to matter next to the bytes). dq_proxy is reduce-added per item; dk_proxy of the
 // list's 128 keys (16 per warp) stays in registers while the list lasts and is reduce-added when
 // the CTA's part of the list ends.
@@ -54,6 +54,7 @@ constexpr int kProxyItemEntries = 64;
 constexpr int kProxyPitch = kHeadDim + 8;  // elements per shared row: ldmatrix rows hit 8 bank groups
 constexpr int kProxyTileCache = kProxyGradThreads;  // schedule tiles read per refill, one per thread
 constexpr int kProxyRowsPerThread = kProxyItemEntries * 16 / kProxyGradThreads;  // 16-byte copies per row set
+constexpr int kProxyGradBuffers = 3;  // an item multiplied while the next two items' copies fly
 struct ProxyGradBuffer {
   uint16_t g[kProxyItemEntries * kProxyPitch];
   uint16_t q_proxy[kProxyItemEntries * kProxyPitch];
@@ -61,7 +62,7 @@ struct ProxyGradBuffer {
   int32_t token[kProxyItemEntries];
 };
 struct ProxyGradShared {
-  ProxyGradBuffer buffers[2];
+  ProxyGradBuffer buffers[kProxyGradBuffers];
   uint4 tiles[kProxyTileCache];  // the CTA's schedule tiles [tile_cache_first, + kProxyTileCache)
 };
 constexpr int kProxyGradSmemBytes = int(sizeof(ProxyGradShared));
@@ -128,7 +129,9 @@ __global__ void __launch_bounds__(kProxyGradThreads, 1) proxy_grads_kernel(const
     }
   };
 
-  uint32_t loaded_key[2] = {0xffffffffu, 0xffffffffu};  // the list whose k̃ block each buffer holds
+  uint32_t loaded_key[kProxyGradBuffers];  // the list whose k̃ block each buffer holds
+#pragma unroll
+  for (int index = 0; index < kProxyGradBuffers; ++index) loaded_key[index] = 0xffffffffu;
   auto issue = [&](const ProxyItem& item, int index, const int (&token)[kProxyRowsPerThread]) {
     ProxyGradBuffer& buffer = shared.buffers[index];
     const forward::ListKey key = forward::decode_list_key(item.key, args);
@@ -144,13 +147,16 @@ __global__ void __launch_bounds__(kProxyGradThreads, 1) proxy_grads_kernel(const
       cp_async_16(buffer.q_proxy + row * kProxyPitch + chunk * 8, q_src, valid);
       if (chunk == 0) buffer.token[row] = token[i];
     }
-    // (index is uniform; the selects keep the pair in registers)
-    if ((index == 0 ? loaded_key[0] : loaded_key[1]) != item.key) {
-      if (index == 0) {
-        loaded_key[0] = item.key;
-      } else {
-        loaded_key[1] = item.key;
+    // (index is uniform; the unrolled compares keep loaded_key in registers)
+    bool new_list = false;
+#pragma unroll
+    for (int other = 0; other < kProxyGradBuffers; ++other) {
+      if (other == index && loaded_key[other] != item.key) {
+        loaded_key[other] = item.key;
+        new_list = true;
       }
+    }
+    if (new_list) {
       const int first_key = key.block * kBlockSize;
       const int proxy_key_head = key.proxy_head / args.proxy_ratio;
       for (int i = thread; i < kKeys * 16; i += kProxyGradThreads) {
@@ -192,8 +198,8 @@ __global__ void __launch_bounds__(kProxyGradThreads, 1) proxy_grads_kernel(const
     }
   };
 
-  // Software pipeline: while item i is multiplied, item i + 1's copies are in flight and item i + 2's
-  // query positions are being loaded.
+  // Software pipeline: while item i is multiplied, items i + 1 and i + 2 have their copies in flight
+  // and item i + 3's query positions are being loaded.
   ProxyItem item;
   if (!next_item(item)) return;
   {
@@ -201,18 +207,27 @@ __global__ void __launch_bounds__(kProxyGradThreads, 1) proxy_grads_kernel(const
     load_tokens(item, token);
     issue(item, 0, token);
   }
+  ProxyItem second{};
+  bool has_second = next_item(second);
+  if (has_second) {
+    int token[kProxyRowsPerThread];
+    load_tokens(second, token);
+    issue(second, 1, token);
+  }
   ProxyItem next{};
-  bool has_next = next_item(next);
+  bool has_next = has_second && next_item(next);
   int next_token[kProxyRowsPerThread] = {};
   if (has_next) load_tokens(next, next_token);
-  for (int index = 0;; index ^= 1) {
-    // The other buffer was last read before the barrier that ended the previous item.
-    if (has_next) issue(next, index ^ 1, next_token);
+  for (int index = 0;; index = index == kProxyGradBuffers - 1 ? 0 : index + 1) {
+    // Item i + 2 takes the buffer of item i − 1, last read before the barrier that ended it.
+    if (has_next) issue(next, index == 0 ? kProxyGradBuffers - 1 : index - 1, next_token);
     ProxyItem after{};
     const bool has_after = has_next && next_item(after);
     int after_token[kProxyRowsPerThread] = {};
     if (has_after) load_tokens(after, after_token);
     if (has_next) {
+      ptx::cp_async_wait<2>();
+    } else if (has_second) {
       ptx::cp_async_wait<1>();
     } else {
       ptx::cp_async_wait<0>();
@@ -280,8 +295,10 @@ __global__ void __launch_bounds__(kProxyGradThreads, 1) proxy_grads_kernel(const
       }
     }
     __syncthreads();  // this buffer's readers are done before an issue overwrites it
-    if (!has_next) break;
-    item = next;
+    if (!has_second) break;
+    item = second;
+    second = next;
+    has_second = has_next;
     next = after;
     has_next = has_after;
 #pragma unroll

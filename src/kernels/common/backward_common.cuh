@@ -22,32 +22,62 @@ __device__ __forceinline__ float kl_gradient_factor(const BackwardParams& params
   return *params.kl_grad * proxy_scale / rows;
 }
 
-constexpr int kDeltaThreads = 256;  // 8 warps, one (b, i, h) row each
+constexpr int kDeltaThreads = 256;   // 8 warps
+constexpr int kDeltaRowsPerWarp = 8;  // 4 passes of 2 rows: a half-warp per row, 16 bytes per lane
 
-// Δ_hi = ⟨O_hi, dO_hi⟩ in fp32 into delta[b, h, s]: one warp per (b, i, h), 4 elements per lane.
+// Δ_hi = ⟨O_hi, dO_hi⟩ in fp32 into delta[b, h, s]. A warp takes 8 consecutive (b, i, h) rows and
+// issues all their 16-byte loads before the first sum.
 template <typename T>
 __global__ void __launch_bounds__(kDeltaThreads) delta_kernel(const BackwardParams params, float* delta) {
   const ProblemShape& shape = params.fwd.shape;
   const int lane = threadIdx.x & 31;
-  const int64_t row = int64_t(blockIdx.x) * (kDeltaThreads / 32) + (threadIdx.x >> 5);  // (b, i, h)
-  if (row >= shape.batch * shape.seqlen * shape.num_heads) return;
-  const int head = int(row % shape.num_heads);
-  const int64_t token = (row / shape.num_heads) % shape.seqlen;
-  const int64_t b = row / (shape.num_heads * shape.seqlen);
-  const T* out = strided<const T>(params.fwd.out).row(b, token, head) + lane * 4;
-  const T* dout = strided<const T>(params.dout).row(b, token, head) + lane * 4;
-  float sum = 0.f;
+  constexpr int kPasses = kDeltaRowsPerWarp / 2;
+  const int64_t rows = int64_t(shape.batch) * shape.seqlen * shape.num_heads;
+  const int64_t first = (int64_t(blockIdx.x) * (kDeltaThreads / 32) + (threadIdx.x >> 5)) * kDeltaRowsPerWarp + lane / 16;
+  const int dim = (lane % 16) * 8;
+  const Strided<const T> out = strided<const T>(params.fwd.out);
+  const Strided<const T> dout = strided<const T>(params.dout);
+  int64_t token_row = first / shape.num_heads;  // b · S + i
+  int head = int(first - token_row * shape.num_heads);
+  int64_t b = token_row / shape.seqlen;
+  int64_t token = token_row - b * shape.seqlen;
+  uint4 o[kPasses], d[kPasses];
+  int64_t target[kPasses];  // index into delta, −1 past the last row
 #pragma unroll
-  for (int e = 0; e < 4; ++e) sum = fmaf(to_float(out[e]), to_float(dout[e]), sum);
-  for (int offset = 16; offset > 0; offset >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-  if (lane == 0) delta[(b * shape.num_heads + head) * shape.seqlen + token] = sum;
+  for (int u = 0; u < kPasses; ++u) {
+    const bool valid = first + 2 * u < rows;
+    target[u] = valid ? (b * shape.num_heads + head) * shape.seqlen + token : -1;
+    const T* o_row = valid ? out.row(b, token, head) + dim : out.ptr + dim;
+    const T* d_row = valid ? dout.row(b, token, head) + dim : dout.ptr + dim;
+    o[u] = *reinterpret_cast<const uint4*>(o_row);
+    d[u] = *reinterpret_cast<const uint4*>(d_row);
+    head += 2;
+    while (head >= shape.num_heads) {
+      head -= shape.num_heads;
+      if (++token == shape.seqlen) {
+        token = 0;
+        ++b;
+      }
+    }
+  }
+#pragma unroll
+  for (int u = 0; u < kPasses; ++u) {
+    const T* o_elements = reinterpret_cast<const T*>(&o[u]);
+    const T* d_elements = reinterpret_cast<const T*>(&d[u]);
+    float sum = 0.f;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) sum = fmaf(to_float(o_elements[e]), to_float(d_elements[e]), sum);
+    for (int offset = 8; offset > 0; offset >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+    if (lane % 16 == 0 && target[u] >= 0) delta[target[u]] = sum;
+  }
 }
 
 template <typename T>
 cudaError_t launch_delta(const BackwardParams& params, float* delta, cudaStream_t stream) {
   const ProblemShape& shape = params.fwd.shape;
   const int64_t rows = shape.batch * shape.seqlen * shape.num_heads;
-  const int64_t blocks = (rows + kDeltaThreads / 32 - 1) / (kDeltaThreads / 32);
+  const int64_t rows_per_block = (kDeltaThreads / 32) * kDeltaRowsPerWarp;
+  const int64_t blocks = (rows + rows_per_block - 1) / rows_per_block;
   delta_kernel<T><<<unsigned(blocks), kDeltaThreads, 0, stream>>>(params, delta);
   return cudaGetLastError();
 }
