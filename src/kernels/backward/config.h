@@ -86,7 +86,6 @@ static_assert(kSmemBytes <= 227 * 1024, "backward shared memory over the sm_90 l
 // ---------------------------------------------------------------------------------------------
 constexpr int kPipelinedThreads = 3 * 128;  // producer warpgroup + two consumer warpgroups
 constexpr int kPipelinedProducerThreads = 128;
-constexpr int kPipelinedStages = 2;
 constexpr int kPipelinedProducerRegisters = 40;  // 128·40 + 256·232 = 64512 ≤ 65536
 constexpr int kPipelinedConsumerRegisters = 232;
 // KL-only mode: the consumers hold no dK or dV (only dk_proxy of the list), so the producer, which
@@ -236,20 +235,24 @@ struct PipelinedLayout {
                                   // proxy_columns rows, 64); once the step's products have read them,
                                   // the stage holds its fp32 dQ for the bulk reduce-adds (dq_stage_*)
   uint32_t stage_bytes = 0;       // pipelined_stage_bytes
+  int stages = 0;                 // 2 or 3 (pipelined_stages)
   uint32_t ds = 0;                // (2 key halves, 64 rows, 64 keys): dS, the A of dQ = dS·K
-  uint32_t g = 0;                 // (128 keys, 64 tokens): π − t of the staged tokens
-  uint32_t qp_flush = 0;          // (2 halves, flush_tokens, 64): their q_proxy rows
-  uint32_t meta = 0;              // (stage) StepMetaOf<R>, sized for R = kKlOnlyStepRows
+  uint32_t g = 0;                 // KL-only: (128 keys, 64 tokens): π − t of the staged tokens
+  uint32_t qp_flush = 0;          // KL-only: (2 halves, flush_tokens, 64): their q_proxy rows
+  uint32_t meta = 0;              // (stage) StepMetaOf<R>, R = step_rows
   uint32_t kl = 0;                // fp32 (2 warpgroups, 4 warps, 32 tokens): KL partial sums
-  uint32_t flush_token = 0;       // int32 (flush_tokens): query position of each staged token
+  uint32_t flush_token = 0;       // KL-only: int32 (flush_tokens): query position of each staged token
   uint32_t rows = 0;              // int32 (R + R + 32, R ≤ 128): step row -> token, head; proxy row -> token
   uint32_t barriers = 0;
   uint32_t total = 0;             // bytes to request, including the alignment slack
 };
 
-inline PipelinedLayout make_pipelined_layout(bool kl_only, int m) {
+// The sparse mode has no staged proxy rows (the proxy gradients are a kernel of their own), and
+// the room they took holds a third stage where it fits: a stage is then released one step after its
+// dQ bulk reduce-adds are issued instead of waiting for their reads (pipelined_kernel.cuh).
+constexpr PipelinedLayout make_pipelined_layout(bool kl_only, int m, int stages) {
   PipelinedLayout layout;
-  const uint32_t flush = uint32_t(flush_tokens(kl_only, m));
+  const uint32_t flush = kl_only ? uint32_t(flush_tokens(kl_only, m)) : 0u;
   const uint32_t key_tile = kKeys * kHeadDim * 2;
   uint32_t at = 0;
   layout.k = at;
@@ -260,15 +263,17 @@ inline PipelinedLayout make_pipelined_layout(bool kl_only, int m) {
   at += key_tile;
   layout.stage = at;
   layout.stage_bytes = pipelined_stage_bytes(kl_only, m);
-  at += kPipelinedStages * layout.stage_bytes;
+  layout.stages = stages;
+  at += uint32_t(stages) * layout.stage_bytes;
   layout.ds = at;
   at += kStepRows * kKeys * 2;
   layout.g = at;
-  at += kKeys * 64 * 2;
+  at += kl_only ? kKeys * 64 * 2 : 0u;
   layout.qp_flush = at;
   at += flush * kHeadDim * 2;
   layout.meta = at;
-  at += kPipelinedStages * uint32_t(sizeof(StepMetaOf<kKlOnlyStepRows>));
+  at += uint32_t(stages) * uint32_t(step_rows(kl_only, m) == kKlOnlyStepRows ? sizeof(StepMetaOf<kKlOnlyStepRows>)
+                                                                                : sizeof(StepMetaOf<kStepRows>));
   layout.kl = at;
   at += 2 * 4 * kMaxStepTokens * 4;
   layout.flush_token = at;
@@ -276,10 +281,18 @@ inline PipelinedLayout make_pipelined_layout(bool kl_only, int m) {
   layout.rows = at;
   at += (2 * kKlOnlyStepRows + kProxyRowsPerStage) * 4;
   layout.barriers = at;
-  at += (2 * kPipelinedStages + 1) * 8;
+  at += (2 * uint32_t(stages) + 1) * 8;
   layout.total = at + 1024;
   return layout;
 }
+constexpr uint32_t kPipelinedSmemLimit = 227 * 1024;
+constexpr int pipelined_stages(bool kl_only, int m) {
+  return !kl_only && make_pipelined_layout(false, m, 3).total <= kPipelinedSmemLimit ? 3 : 2;
+}
+constexpr PipelinedLayout make_pipelined_layout(bool kl_only, int m) {
+  return make_pipelined_layout(kl_only, m, pipelined_stages(kl_only, m));
+}
+constexpr int kPipelinedMaxStages = 3;
 
 // ---------------------------------------------------------------------------------------------
 // Workspace: byte offsets of every buffer, from shapes alone (backward_workspace_size() returns

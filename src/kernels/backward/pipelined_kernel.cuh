@@ -157,6 +157,7 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
   constexpr int kRowElements = kStepRows * kHeadDim;
   constexpr int kStageElements = int(pipelined_stage_bytes(kKlOnly, kM) / 2);
   constexpr int kFlush = flush_tokens(kKlOnly, kM);  // tokens staged per proxy-gradient flush
+  constexpr int kStages = pipelined_stages(kKlOnly, kM);
   using Mma128 = ptx::Wgmma64x128x16<Element>;
 
   extern __shared__ unsigned char smem_raw[];
@@ -179,11 +180,11 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
   int32_t* proxy_row_tokens = row_head + kRows;                            // proxy row -> token in step
   uint64_t* barriers = reinterpret_cast<uint64_t*>(smem + layout.barriers);
   uint64_t* q_full = barriers;
-  uint64_t* q_empty = barriers + kPipelinedStages;
-  uint64_t* kv_full = barriers + 2 * kPipelinedStages;
+  uint64_t* q_empty = barriers + kStages;
+  uint64_t* kv_full = barriers + 2 * kStages;
 
   if (threadIdx.x == 0) {
-    for (int s = 0; s < kPipelinedStages; ++s) {
+    for (int s = 0; s < kStages; ++s) {
       ptx::mbarrier_init(&q_full[s], kPipelinedProducerThreads);
       ptx::mbarrier_init(&q_empty[s], 2 * 128);
     }
@@ -194,7 +195,7 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
     row_token[threadIdx.x] = step_row_token(threadIdx.x, kM, kRows);
     row_head[threadIdx.x] = step_row_head(threadIdx.x, kM);
     if (threadIdx.x < kProxyRowsPerStage) proxy_row_tokens[threadIdx.x] = proxy_row_token(threadIdx.x, kM, kRows);
-  } else if (threadIdx.x >= 128) {
+  } else if (kKlOnly && threadIdx.x >= 128) {
     // π − t of unused staged columns must be finite: they meet zero q_proxy rows.
     for (int i = threadIdx.x - 128; i < kKeys * 64 / 8; i += 256) {
       reinterpret_cast<uint4*>(g_tile)[i] = make_uint4(0, 0, 0, 0);
@@ -245,7 +246,7 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
     auto release_pending = [&]() {
       ptx::fence_proxy_async_shared();
       if (pending_new_list) ptx::mbarrier_arrive(kv_full);
-      ptx::mbarrier_arrive(&q_full[pending % kPipelinedStages]);
+      ptx::mbarrier_arrive(&q_full[pending % kStages]);
       pending = -1;
     };
     // Entries run one step ahead: thread i < 32 holds the entry of the step's token i, thread
@@ -295,7 +296,7 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
       const int tile_count = int(tile.z);
       const int steps = (tile_count + kStepTokens - 1) / kStepTokens;
       for (int k = 0; k < steps; ++k, ++step) {
-        const int s = step % kPipelinedStages;
+        const int s = step % kStages;
         const bool new_list = key_value != last_key;
         const int count = min(kStepTokens, tile_count - k * kStepTokens);
         const int token = token_entry != 0xffffffffu ? int(token_entry >> schedule::kSlotBits) : -1;
@@ -319,10 +320,10 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
           ptx::cp_async_wait<0>();
           release_pending();
         }
-        ptx::mbarrier_wait(&q_empty[s], ((step / kPipelinedStages) & 1) ^ 1);
+        ptx::mbarrier_wait(&q_empty[s], ((step / kStages) & 1) ^ 1);
         if (new_list && step > 0) {
           // K, V and k_proxy are overwritten only after the previous step is done.
-          ptx::mbarrier_wait(&q_empty[(step - 1) % kPipelinedStages], ((step - 1) / kPipelinedStages) & 1);
+          ptx::mbarrier_wait(&q_empty[(step - 1) % kStages], ((step - 1) / kStages) & 1);
         }
         StepMetaOf<kRows>& m = meta[s];
         if (thread < kMaxStepTokens) {
@@ -538,15 +539,16 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
   uint32_t last_key = 0xffffffffu;
   int lists_seen = 0;
   int staged = 0;  // tokens of (π − t, q_proxy) staged for the proxy gradients
+  int held_stage = -1;  // three stages: the previous step's stage, released at the end of this one
   bool flushed = false;  // KL-only: the previous step flushed the staged tokens
   // Warpgroup 0 takes the first turn; every later turn is handed over after an issue, except the
   // last one of warpgroup 1, so each barrier sees as many arrivals as waits.
   if (kKlOnly && consumer == 1 && num_tiles > 0) ptx::named_barrier_arrive(kTurnBarrier, 256);
 
   for (int step = 0;; ++step) {
-    const int s = step % kPipelinedStages;
+    const int s = step % kStages;
     if (num_tiles == 0) break;
-    ptx::mbarrier_wait(&q_full[s], (step / kPipelinedStages) & 1);
+    ptx::mbarrier_wait(&q_full[s], (step / kStages) & 1);
     const StepMetaOf<kRows>& m = meta[s];
     const uint32_t key_value = m.key;
     const int count = m.count;
@@ -861,8 +863,32 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
         ptx::bulk_commit_group();
       }
     }
-    if (lane < kBulkIssueLanes) ptx::bulk_wait_group_read<0>();
-    ptx::mbarrier_arrive(&q_empty[s]);
+    // The stage is free once the bulk operations have read it. With three stages that wait moves to
+    // the end of the next step (the producer is then filling the third stage), except on a list's
+    // last step: the producer loads the next list's K, V only after that step is released.
+    if constexpr (kStages == 3) {
+      const bool release_now = (flags & (kStepListLast | kStepLast)) != 0;
+      if (held_stage >= 0) {
+        if (lane < kBulkIssueLanes) {
+          if (release_now) {
+            ptx::bulk_wait_group_read<0>();
+          } else {
+            ptx::bulk_wait_group_read<1>();
+          }
+        }
+        ptx::mbarrier_arrive(&q_empty[held_stage]);
+        held_stage = -1;
+      }
+      if (release_now) {
+        if (lane < kBulkIssueLanes) ptx::bulk_wait_group_read<0>();
+        ptx::mbarrier_arrive(&q_empty[s]);
+      } else {
+        held_stage = s;
+      }
+    } else {
+      if (lane < kBulkIssueLanes) ptx::bulk_wait_group_read<0>();
+      ptx::mbarrier_arrive(&q_empty[s]);
+    }
 
     // ---- dK, dV of the unit: reduce-added when it ends --------------------------------------------------
     if (flags & kStepUnitLast) {
