@@ -13,7 +13,9 @@
 # 8K/32K/128K, per-query at 8K, within FLEX_BUDGET_S, default 60 s, compile included),
 # ANCHOR_SEQLENS (default 4096 plus SEQLENS) for the dense and eager anchors (eager up to 8K), LONG_SEQLENS (default 524288,1048576; 0 to skip): select and forward of the paper
 # config with the random pattern at those lengths, WARMUP_SEQLENS (default 8192,32768,131072; 0 to
-# skip): warmup-mode forward and forward + backward of the paper config, CARRY (an earlier results
+# skip): warmup-mode forward and forward + backward of the paper config, LONG_STEP_SEQLENS (default
+# 524288; 0 to skip): backward, step and fwd_bwd of the paper and specialized configs with the three
+# patterns at those lengths (3 timed runs each), CARRY (an earlier results
 # file whose rows are kept, with their commit, for what this run does not measure).
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -65,6 +67,12 @@ if [[ "$long_seqlens" != "0" ]]; then
   "$bin_dir/flashmsa_bench" --stages select,forward --configs paper --patterns random \
     --seqlens "$long_seqlens" --out "$raw/long_rows.json" 2>&1 | tee -a "$raw/bench.log"
   row_files+=("$raw/long_rows.json")
+fi
+long_step_seqlens="${LONG_STEP_SEQLENS:-524288}"
+if [[ "$long_step_seqlens" != "0" ]]; then
+  "$bin_dir/flashmsa_bench" --stages backward,step --configs paper,specialized \
+    --seqlens "$long_step_seqlens" --repeats 3 --out "$raw/long_step_rows.json" 2>&1 | tee -a "$raw/bench.log"
+  row_files+=("$raw/long_step_rows.json")
 fi
 warmup_seqlens="${WARMUP_SEQLENS:-8192,32768,131072}"
 if [[ "$warmup_seqlens" != "0" ]]; then
