@@ -129,8 +129,11 @@ TEST_P(ScheduleTest, MatchesHostInversion) {
   FLASHMSA_CUDA_CHECK(cudaDeviceSynchronize());
   expect_schedule(shape, block_idx, read_schedule(workspace, layout));
 
-  // The same schedule from a captured graph, over a poisoned workspace.
+  // The same schedule from a captured graph, over a poisoned workspace. The capture stream is
+  // non-blocking, so it does not wait for the poisoning memset on the legacy stream: synchronize
+  // first, or the memset can land on the schedule's keys while the graph runs.
   workspace.poison();
+  FLASHMSA_CUDA_CHECK(cudaDeviceSynchronize());
   cudaStream_t stream;
   FLASHMSA_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   cudaGraph_t graph;
