@@ -29,7 +29,10 @@
 //              dQ = dS·K                   dS through shared memory; warpgroup c computes dims
 //                                          [64c, 64c + 64), stages them (fp32) in the consumed
 //                                          Q/dO stage; each step token's M rows are reduce-added
-//                                          with one bulk operation (cp.reduce.async.bulk)
+//                                          with one bulk operation (cp.reduce.async.bulk); with
+//                                          three stages (pipelined_stages) the stage is released
+//                                          once those reads are done at the end of the next step,
+//                                          at once on a list's last step
 //              KL                          t = mean of P over the M heads, π = exp(s̃σp − plse),
 //                                          g = π − t stored per (token, slot) as a row of 128 keys
 //                                          in the input dtype (args.proxy_grad), from which
