@@ -12,10 +12,11 @@
 // Work. A CTA takes a contiguous range of the chunk's schedule tiles and walks it as items of up
 // to 64 consecutive entries of one list. The items' g rows (16 KB, contiguous), q̃ rows (gathered)
 // and k̃ block (reloaded when the buffer last held another list) are copied with cp.async into one
-// of three buffers while another is multiplied (mma.sync m16n8k16; 4 MFLOP per item, too little for
-// wgmma's pipeline to matter next to the bytes). dq_proxy is reduce-added per item; dk_proxy of the
-// list's 128 keys (16 per warp) stays in registers while the list lasts and is reduce-added when
-// the CTA's part of the list ends.
+// of three buffers (128-byte swizzled tiles) while another is multiplied by the two warpgroups with
+// wgmma: warpgroup c computes dims 64c … of the item's dq_proxy (m64n64, g K-major, k̃ MN-major) and
+// keys 64c … of dk_proxy (m64n128, gᵀ and q̃ MN-major). dq_proxy is reduce-added per item; dk_proxy
+// of the list's 128 keys stays in the accumulators while the list lasts and is reduce-added when the
+// CTA's part of the list ends.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -28,6 +29,8 @@
 #include "kernels/backward/config.h"
 #include "kernels/backward/mma.cuh"
 #include "kernels/common/device_cache.h"
+#include "kernels/common/ptx/barrier.h"
+#include "kernels/common/ptx/wgmma.h"
 #include "kernels/common/strided.h"
 #include "kernels/forward/pipelined_kernel.cuh"
 
@@ -51,21 +54,22 @@ struct ProxyGradArgs {
 
 constexpr int kProxyGradThreads = 256;
 constexpr int kProxyItemEntries = 64;
-constexpr int kProxyPitch = kHeadDim + 8;  // elements per shared row: ldmatrix rows hit 8 bank groups
 constexpr int kProxyTileCache = kProxyGradThreads;  // schedule tiles read per refill, one per thread
 constexpr int kProxyRowsPerThread = kProxyItemEntries * 16 / kProxyGradThreads;  // 16-byte copies per row set
 constexpr int kProxyGradBuffers = 3;  // an item multiplied while the next two items' copies fly
+// The wgmma operand tiles are two 64-column halves of 128-byte rows with the 128-byte swizzle
+// (forward::sw128_offset), 1024-byte aligned.
 struct ProxyGradBuffer {
-  uint16_t g[kProxyItemEntries * kProxyPitch];
-  uint16_t q_proxy[kProxyItemEntries * kProxyPitch];
-  uint16_t k_proxy[kKeys * kProxyPitch];
+  alignas(1024) uint16_t g[kProxyItemEntries * kKeys];             // [key half][entry][64 keys]
+  alignas(1024) uint16_t q_proxy[kProxyItemEntries * kHeadDim];    // [dim half][entry][64 dims]
+  alignas(1024) uint16_t k_proxy[kKeys * kHeadDim];                // [dim half][key][64 dims]
   int32_t token[kProxyItemEntries];
 };
 struct ProxyGradShared {
   ProxyGradBuffer buffers[kProxyGradBuffers];
   uint4 tiles[kProxyTileCache];  // the CTA's schedule tiles [tile_cache_first, + kProxyTileCache)
 };
-constexpr int kProxyGradSmemBytes = int(sizeof(ProxyGradShared));
+constexpr int kProxyGradSmemBytes = int(sizeof(ProxyGradShared)) + 1024;  // + alignment slack
 
 struct ProxyItem {
   uint32_t key, begin, count;  // list key, first entry, entries (≤ 64)
@@ -74,7 +78,8 @@ struct ProxyItem {
 template <typename Element>
 __global__ void __launch_bounds__(kProxyGradThreads, 1) proxy_grads_kernel(const ProxyGradArgs<Element> args) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  ProxyGradShared& shared = *reinterpret_cast<ProxyGradShared*>(smem_raw);
+  ProxyGradShared& shared = *reinterpret_cast<ProxyGradShared*>(
+      smem_raw + ((1024 - (ptx::smem_address(smem_raw) & 1023)) & 1023));
   const int thread = threadIdx.x;
   const int warp = thread / 32;
   const int lane = thread % 32;
@@ -142,9 +147,9 @@ __global__ void __launch_bounds__(kProxyGradThreads, 1) proxy_grads_kernel(const
       const int row = thread / 16 + 16 * i;
       const bool valid = token[i] >= 0;
       const Element* src = valid ? g_rows + row * kKeys + chunk * 8 : args.g;
-      cp_async_16(buffer.g + row * kProxyPitch + chunk * 8, src, valid);
+      cp_async_16(buffer.g + forward::sw128_offset(kProxyItemEntries, row, chunk), src, valid);
       const Element* q_src = valid ? args.q_proxy.row(key.b, token[i], key.proxy_head) + chunk * 8 : args.q_proxy.ptr;
-      cp_async_16(buffer.q_proxy + row * kProxyPitch + chunk * 8, q_src, valid);
+      cp_async_16(buffer.q_proxy + forward::sw128_offset(kProxyItemEntries, row, chunk), q_src, valid);
       if (chunk == 0) buffer.token[row] = token[i];
     }
     // (index is uniform; the unrolled compares keep loaded_key in registers)
@@ -163,39 +168,36 @@ __global__ void __launch_bounds__(kProxyGradThreads, 1) proxy_grads_kernel(const
         const int row = i / 16;
         const bool valid = first_key + row < args.seqlen;
         const Element* src = valid ? args.k_proxy.row(key.b, first_key + row, proxy_key_head) + chunk * 8 : args.k_proxy.ptr;
-        cp_async_16(buffer.k_proxy + row * kProxyPitch + chunk * 8, src, valid);
+        cp_async_16(buffer.k_proxy + forward::sw128_offset(kKeys, row, chunk), src, valid);
       }
     }
     ptx::cp_async_commit();
   };
 
-  // dk_proxy of keys 16·warp … 16·warp + 15 × 128 dims: element [n][4]: keys +lane/4 (+8 for
-  // elements 2, 3), dims 8n + 2·(lane % 4) + {0, 1}.
-  float dk[16][4];
+  // Warpgroup c (warps 4c … 4c + 3) owns keys 64c … 64c + 63 of dk_proxy and dims 64c … 64c + 63
+  // of an item's dq_proxy. dk: the list's m64n128 fragment (rows = keys 64c + 16·(warp % 4) +
+  // lane/4 (+8), columns = dims), accumulated over the CTA's items of the list.
+  const int consumer = warp / 4;
+  const int row0 = 16 * (warp % 4) + lane / 4;  // this thread's first fragment row
+  float dk[64];
 #pragma unroll
-  for (int n = 0; n < 16; ++n) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) dk[n][e] = 0.f;
-  }
+  for (int i = 0; i < 64; ++i) dk[i] = 0.f;
   uint32_t dk_key = 0xffffffffu;
   auto flush_dk = [&]() {
     const forward::ListKey key = forward::decode_list_key(dk_key, args);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int key_pos = key.block * kBlockSize + 16 * warp + lane / 4 + 8 * h;
+      const int key_pos = key.block * kBlockSize + 64 * consumer + row0 + 8 * h;
       if (key_pos < args.seqlen) {
         float* row = args.dk_proxy_accum +
                      ((int64_t(key.b) * args.seqlen + key_pos) * args.num_proxy_heads + key.proxy_head) * kHeadDim +
                      2 * (lane % 4);
 #pragma unroll
-        for (int n = 0; n < 16; ++n) reduce_add2(row + 8 * n, dk[n][2 * h], dk[n][2 * h + 1]);
+        for (int j = 0; j < 16; ++j) reduce_add2(row + 8 * j, dk[4 * j + 2 * h], dk[4 * j + 2 * h + 1]);
       }
     }
 #pragma unroll
-    for (int n = 0; n < 16; ++n) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) dk[n][e] = 0.f;
-    }
+    for (int i = 0; i < 64; ++i) dk[i] = 0.f;
   };
 
   // Software pipeline: while item i is multiplied, items i + 1 and i + 2 have their copies in flight
@@ -232,66 +234,48 @@ __global__ void __launch_bounds__(kProxyGradThreads, 1) proxy_grads_kernel(const
     } else {
       ptx::cp_async_wait<0>();
     }
+    ptx::fence_proxy_async_shared();  // the landed copies are wgmma operands
     __syncthreads();
     const ProxyGradBuffer& buffer = shared.buffers[index];
     const forward::ListKey key = forward::decode_list_key(item.key, args);
 
-    // ---- dq_proxy = g · k̃: warp w takes entries 16·(w % 4) …, dims 64·(w / 4) … ---------------------
-    {
-      const int m0 = 16 * (warp % 4);
-      const int n0 = 64 * (warp / 4);
-      float dq[8][4];
-#pragma unroll
-      for (int n = 0; n < 8; ++n) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) dq[n][e] = 0.f;
-      }
-#pragma unroll
-      for (int k_step = 0; k_step < kKeys / 16; ++k_step) {
-        uint32_t a[4];
-        ldmatrix_x4(a, buffer.g + (m0 + lane % 16) * kProxyPitch + 16 * k_step + 8 * (lane / 16));
-#pragma unroll
-        for (int pair = 0; pair < 4; ++pair) {
-          uint32_t b[4];
-          ldmatrix_x4_trans(b, buffer.k_proxy + (16 * k_step + lane % 8 + 8 * ((lane / 8) % 2)) * kProxyPitch + n0 +
-                                   16 * pair + 8 * (lane / 16));
-          mma_16816<Element>(dq[2 * pair], a, b[0], b[1]);
-          mma_16816<Element>(dq[2 * pair + 1], a, b[2], b[3]);
-        }
-      }
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int token = buffer.token[m0 + lane / 4 + 8 * h];
-        if (token >= 0) {
-          float* row = args.dq_proxy_accum +
-                       ((int64_t(key.b) * args.seqlen + token) * args.num_proxy_heads + key.proxy_head) * kHeadDim +
-                       n0 + 2 * (lane % 4);
-#pragma unroll
-          for (int n = 0; n < 8; ++n) reduce_add2(row + 8 * n, dq[n][2 * h], dq[n][2 * h + 1]);
-        }
-      }
-    }
-
-    // ---- dk_proxy += gᵀ · q̃: warp w takes keys 16·w …, all 128 dims ------------------------------------
     if (item.key != dk_key) {
       if (dk_key != 0xffffffffu) flush_dk();
       dk_key = item.key;
     }
-    {
-      const int m0 = 16 * warp;
+    // ---- dq_proxy = g · k̃ (this warpgroup's 64 dims; g K-major, k̃ MN-major) and dk_proxy += gᵀ · q̃
+    // (this warpgroup's 64 keys; both MN-major), one wgmma group ------------------------------------
+    float dq[32];
+    ptx::wgmma_fence();
 #pragma unroll
-      for (int k_step = 0; k_step < kProxyItemEntries / 16; ++k_step) {
-        uint32_t a[4];
-        ldmatrix_x4_trans(a, buffer.g + (16 * k_step + lane % 8 + 8 * (lane / 16)) * kProxyPitch + m0 +
-                                 8 * ((lane / 8) % 2));
+    for (int k_step = 0; k_step < kKeys / 16; ++k_step) {
+      const uint64_t desc_g =
+          ptx::advance_desc(ptx::make_sw128_kmajor_desc(buffer.g + (k_step / 4) * kProxyItemEntries * 64), (k_step % 4) * 32);
+      const uint64_t desc_kp =
+          ptx::make_sw128_mnmajor_desc(buffer.k_proxy + consumer * kKeys * 64 + k_step * 16 * 64, kKeys * 128);
+      ptx::WgmmaSS<Element, 64, 0, 1>::run(dq, desc_g, desc_kp, k_step > 0 ? 1u : 0u);
+    }
 #pragma unroll
-        for (int pair = 0; pair < 8; ++pair) {
-          uint32_t b[4];
-          ldmatrix_x4_trans(b, buffer.q_proxy + (16 * k_step + lane % 8 + 8 * ((lane / 8) % 2)) * kProxyPitch +
-                                   16 * pair + 8 * (lane / 16));
-          mma_16816<Element>(dk[2 * pair], a, b[0], b[1]);
-          mma_16816<Element>(dk[2 * pair + 1], a, b[2], b[3]);
-        }
+    for (int k_step = 0; k_step < kProxyItemEntries / 16; ++k_step) {
+      const uint64_t desc_gt = ptx::make_sw128_mnmajor_desc(
+          buffer.g + consumer * kProxyItemEntries * 64 + k_step * 16 * 64, kProxyItemEntries * 128);
+      const uint64_t desc_qp =
+          ptx::make_sw128_mnmajor_desc(buffer.q_proxy + k_step * 16 * 64, kProxyItemEntries * 128);
+      ptx::WgmmaSS<Element, 128, 1, 1>::run(dk, desc_gt, desc_qp, 1u);
+    }
+    ptx::wgmma_commit_group();
+    ptx::wgmma_wait_group<0>();
+    ptx::fence_accumulators(dq);
+    ptx::fence_accumulators(dk);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int token = buffer.token[row0 + 8 * h];
+      if (token >= 0) {
+        float* row = args.dq_proxy_accum +
+                     ((int64_t(key.b) * args.seqlen + token) * args.num_proxy_heads + key.proxy_head) * kHeadDim +
+                     64 * consumer + 2 * (lane % 4);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) reduce_add2(row + 8 * j, dq[4 * j + 2 * h], dq[4 * j + 2 * h + 1]);
       }
     }
     __syncthreads();  // this buffer's readers are done before an issue overwrites it
