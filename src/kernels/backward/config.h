@@ -99,13 +99,10 @@ constexpr int kKlOnlyStepRows = 128;
 constexpr int step_rows(bool kl_only, int m) { return kl_only && m >= 4 ? kKlOnlyStepRows : kStepRows; }
 constexpr int kMaxStepTokens = 32;   // step_tokens(M) for M ≥ 2
 constexpr int kProxyRowsPerStage = 32;  // the most proxy rows a step has (M = 2)
-// Tokens of (π − t, q_proxy) staged before dk_proxy, dq_proxy are computed and reduce-added: 64
-// where the stages' smaller proxy tiles leave room for the staged rows (sparse mode, M ≥ 4), so
-// the dk_proxy reduce-adds (a 128 × 128 fp32 block per flush) are paid every 64 tokens; 32 in the
-// KL-only mode (dk_proxy stays in registers there) and for M = 2.
+// KL-only mode: tokens of (π − t, q_proxy) staged before dk_proxy, dq_proxy are computed and
+// reduce-added. The sparse mode stages none: it stores g rows for proxy_grads.cuh.
 constexpr int kFlushTokens = 32;
-constexpr int kWideFlushTokens = 64;
-constexpr int flush_tokens(bool kl_only, int m) { return !kl_only && m >= 4 ? kWideFlushTokens : kFlushTokens; }
+constexpr int flush_tokens(bool kl_only, int /*m*/) { return kl_only ? kFlushTokens : 0; }
 
 inline bool pipelined_supported(int heads_per_proxy, bool deterministic) {
   const int m = heads_per_proxy;
@@ -206,8 +203,6 @@ constexpr uint32_t dq_stage_row_offset(int n, int m) {
 }
 constexpr uint32_t kDqStageBytes = kStepRows * kDqStageRowBytes + 3 * kDqQuadPad;
 static_assert(kDqStageBytes <= pipelined_stage_bytes(false, 16), "dQ staging must fit in the smallest stage");
-static_assert(kWideFlushTokens * kDqProxyStageStride * 4 <= pipelined_stage_bytes(false, 16),
-              "dq_proxy staging must fit in the smallest stage");
 
 // Per-stage metadata written by the producer, read by the consumers, for steps of kRows rows.
 template <int kRows>
