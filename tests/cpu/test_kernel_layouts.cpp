@@ -71,8 +71,8 @@ TEST(PipelinedBackwardLayout, FitsWithAlignedTiles) {
       // The dQ staging fits a stage; the staged proxy rows fill whole atoms of the flush tile, and
       // the g tile (64 token columns) holds every staged token.
       EXPECT_LE(bw::kDqStageBytes, layout.stage_bytes) << where;
-      EXPECT_EQ(bw::flush_tokens(kl_only, m) % 16, 0) << where;
-      EXPECT_LE(bw::flush_tokens(kl_only, m), 64) << where;
+      EXPECT_EQ(bw::flush_tokens(kl_only) % 16, 0) << where;
+      EXPECT_LE(bw::flush_tokens(kl_only), 64) << where;
       EXPECT_EQ(layout.meta % 16, 0u) << where;  // float2 loads of (LSE, Δ) pairs
       EXPECT_EQ(layout.barriers % 8, 0u) << where;
     }
@@ -158,7 +158,7 @@ TEST(PipelinedBackwardLayout, ServesPowerOfTwoHeadMapsInNonDeterministicMode) {
       for (bool kl_only : {false, true}) {
         const int tokens = kernels::backward::step_tokens(m, kernels::backward::step_rows(kl_only, m));
         EXPECT_LE(tokens, kernels::backward::kMaxStepTokens) << "M = " << m;
-        if (kl_only) EXPECT_LE(tokens, kernels::backward::flush_tokens(kl_only, m)) << "M = " << m;
+        if (kl_only) EXPECT_LE(tokens, kernels::backward::flush_tokens(kl_only)) << "M = " << m;
       }
     }
   }

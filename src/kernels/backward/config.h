@@ -102,7 +102,7 @@ constexpr int kProxyRowsPerStage = 32;  // the most proxy rows a step has (M = 2
 // KL-only mode: tokens of (π − t, q_proxy) staged before dk_proxy, dq_proxy are computed and
 // reduce-added. The sparse mode stages none: it stores g rows for proxy_grads.cuh.
 constexpr int kFlushTokens = 32;
-constexpr int flush_tokens(bool kl_only, int /*m*/) { return kl_only ? kFlushTokens : 0; }
+constexpr int flush_tokens(bool kl_only) { return kl_only ? kFlushTokens : 0; }
 
 inline bool pipelined_supported(int heads_per_proxy, bool deterministic) {
   const int m = heads_per_proxy;
@@ -247,7 +247,7 @@ struct PipelinedLayout {
 // dQ bulk reduce-adds are issued instead of waiting for their reads (pipelined_kernel.cuh).
 constexpr PipelinedLayout make_pipelined_layout(bool kl_only, int m, int stages) {
   PipelinedLayout layout;
-  const uint32_t flush = kl_only ? uint32_t(flush_tokens(kl_only, m)) : 0u;
+  const uint32_t flush = uint32_t(flush_tokens(kl_only));
   const uint32_t key_tile = kKeys * kHeadDim * 2;
   uint32_t at = 0;
   layout.k = at;

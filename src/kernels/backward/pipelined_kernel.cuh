@@ -159,7 +159,7 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
   constexpr int kProxyCols = proxy_columns(kM, kRows);
   constexpr int kRowElements = kStepRows * kHeadDim;
   constexpr int kStageElements = int(pipelined_stage_bytes(kKlOnly, kM) / 2);
-  constexpr int kFlush = flush_tokens(kKlOnly, kM);  // tokens staged per proxy-gradient flush
+  constexpr int kFlush = flush_tokens(kKlOnly);  // tokens staged per proxy-gradient flush
   constexpr int kStages = pipelined_stages(kKlOnly, kM);
   using Mma128 = ptx::Wgmma64x128x16<Element>;
 
@@ -476,14 +476,14 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
       ptx::WgmmaSS<Element, kN>::run(acc, desc_a, desc_b, k_step > 0 ? 1u : 0u);
     }
   };
-  // dk_proxy[keys] (+)= g·q̃ over the staged tokens: A = g (keys × tokens, K-major), B = the staged
-  // q̃ rows (tokens × di, MN-major); keep = 1 adds to acc.
-  auto dk_proxy_product = [&](float (&acc)[64], uint32_t keep) {
+  // dk_proxy[keys] += g·q̃ over the staged tokens: A = g (keys × tokens, K-major), B = the staged
+  // q̃ rows (tokens × di, MN-major).
+  auto dk_proxy_product = [&](float (&acc)[64]) {
 #pragma unroll
     for (int k_step = 0; k_step < kFlush / 16; ++k_step) {
       const uint64_t desc_g = ptx::advance_desc(ptx::make_sw128_kmajor_desc(g_tile + consumer * 64 * 64), k_step * 32);
       const uint64_t desc_qp = ptx::make_sw128_mnmajor_desc(qp_flush + k_step * 16 * 64, kFlush * 128);
-      ptx::WgmmaSS<Element, 128, 0, 1>::run(acc, desc_g, desc_qp, k_step > 0 ? 1u : keep);
+      ptx::WgmmaSS<Element, 128, 0, 1>::run(acc, desc_g, desc_qp, 1u);
     }
   };
   // dq_proxyᵀ[dims] = k̃ᵀ·gᵀ: A = k̃ (di × keys, MN-major), B = g (keys × tokens, MN-major).
@@ -782,7 +782,7 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
         // dk_proxy over the whole list accumulates in the registers the sparse mode gives dK (stale
         // g columns past the staged tokens meet zero q̃ rows); dq_proxy of the staged tokens.
         ptx::wgmma_fence();
-        dk_proxy_product(dk, 1u);
+        dk_proxy_product(dk);
         ptx::wgmma_commit_group();
         float acc[32];
         dq_proxy_product(acc);
