@@ -537,10 +537,7 @@ __global__ void __launch_bounds__(kThreads) finish_query_grads_kernel(const Prob
   const bool with_kl_grad = pb.params.kl_grad != nullptr;
   const float kl_factor = kl_gradient_factor(pb.params, pb.proxy_scale);
 
-  int64_t token_row = first / heads;  // b · S + i
-  int head = int(first - token_row * heads);
-  int64_t batch = token_row / shape.seqlen;
-  int64_t token = token_row - batch * shape.seqlen;
+  TokenHeadCursor at(first, heads, shape.seqlen);
   const float* source[kFinishRowsPerWarp];  // the row's accumulator (non-deterministic), or null
   T* target[kFinishRowsPerWarp];            // null past the last row
   float factor[kFinishRowsPerWarp];
@@ -549,30 +546,24 @@ __global__ void __launch_bounds__(kThreads) finish_query_grads_kernel(const Prob
 #pragma unroll
   for (int u = 0; u < kFinishRowsPerWarp; ++u) {
     const bool valid = first + u < rows;
-    row_batch[u] = batch;
-    row_token[u] = token;
-    row_head[u] = head;
-    if (head < shape.num_heads) {
-      source[u] = pb.ws.dq_accum + ((batch * shape.seqlen + token) * shape.num_heads + head) * kHeadDim + dim;
-      target[u] = strided<T>(pb.params.dq).row(batch, token, head) + dim;
+    row_batch[u] = at.b;
+    row_token[u] = at.token;
+    row_head[u] = at.head;
+    if (at.head < shape.num_heads) {
+      source[u] = pb.ws.dq_accum + ((at.b * shape.seqlen + at.token) * shape.num_heads + at.head) * kHeadDim + dim;
+      target[u] = strided<T>(pb.params.dq).row(at.b, at.token, at.head) + dim;
       factor[u] = pb.softmax_scale;
     } else {
-      const int proxy_head = head - shape.num_heads;
+      const int proxy_head = at.head - shape.num_heads;
       source[u] = with_kl_grad ? pb.ws.dq_proxy_accum +
-                                     ((batch * shape.seqlen + token) * shape.num_proxy_heads + proxy_head) * kHeadDim + dim
+                                     ((at.b * shape.seqlen + at.token) * shape.num_proxy_heads + proxy_head) * kHeadDim + dim
                                : nullptr;
-      target[u] = strided<T>(pb.params.dq_proxy).row(batch, token, proxy_head) + dim;
+      target[u] = strided<T>(pb.params.dq_proxy).row(at.b, at.token, proxy_head) + dim;
       factor[u] = kl_factor;
     }
     if (!valid) target[u] = nullptr;
     if (deterministic || !valid) source[u] = nullptr;
-    if (++head == heads) {
-      head = 0;
-      if (++token == shape.seqlen) {
-        token = 0;
-        ++batch;
-      }
-    }
+    at.advance(1, heads, shape.seqlen);
   }
   float acc[kFinishRowsPerWarp][4];
 #pragma unroll

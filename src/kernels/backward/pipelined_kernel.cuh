@@ -496,20 +496,6 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
       ptx::WgmmaSS<Element, 64, 1, 1>::run(acc, desc_kp, desc_g, k_step > 0 ? 1u : 0u);
     }
   };
-  // This warpgroup's 64 keys × 128 dims of dk_proxy reduce-added to the proxy head's rows.
-  auto reduce_add_dk_proxy = [&](const float (&acc)[64], const ListKey& key, int first_key) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int key_pos = first_key + key_row0 + 8 * h;
-      if (key_pos < args.seqlen) {
-        float* row = args.dk_proxy_accum +
-                     ((int64_t(key.b) * args.seqlen + key_pos) * args.num_proxy_heads + key.proxy_head) * kHeadDim +
-                     2 * quad;
-#pragma unroll
-        for (int j = 0; j < 16; ++j) reduce_add2(row + 8 * j, acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
-      }
-    }
-  };
   // The staged tokens' dq_proxy rows (accumulator columns < kFlush) as fp32 rows of
   // kDqProxyStageStride floats at `stage` (free of bank conflicts); then, after a fence and a barrier
   // of both warpgroups, one 512-byte bulk reduce-add per staged token, by lane t / 8 of consumer
@@ -798,7 +784,7 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
         ptx::named_barrier_sync(kDqBarrier, 256);
         reduce_add_dq_proxy(dqp_stage, key, staged);
         if (flags & kStepListLast) {
-          reduce_add_dk_proxy(dk, key, first_key);
+          reduce_add_dk_proxy_rows(args, dk, key.b, key.proxy_head, first_key + key_row0);
 #pragma unroll
           for (int i = 0; i < 64; ++i) dk[i] = 0.f;
         }
@@ -869,28 +855,20 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
     // The stage is free once the bulk operations have read it. With three stages that wait moves to
     // the end of the next step (the producer is then filling the third stage), except on a list's
     // last step: the producer loads the next list's K, V only after that step is released.
-    if constexpr (kStages == 3) {
-      const bool release_now = (flags & (kStepListLast | kStepLast)) != 0;
-      if (held_stage >= 0) {
-        if (lane < kBulkIssueLanes) {
-          if (release_now) {
-            ptx::bulk_wait_group_read<0>();
-          } else {
-            ptx::bulk_wait_group_read<1>();
-          }
-        }
-        ptx::mbarrier_arrive(&q_empty[held_stage]);
-        held_stage = -1;
-      }
-      if (release_now) {
-        if (lane < kBulkIssueLanes) ptx::bulk_wait_group_read<0>();
-        ptx::mbarrier_arrive(&q_empty[s]);
+    const bool hold = kStages == 3 && (flags & (kStepListLast | kStepLast)) == 0;
+    if (lane < kBulkIssueLanes) {
+      if (hold) {
+        ptx::bulk_wait_group_read<1>();
       } else {
-        held_stage = s;
+        ptx::bulk_wait_group_read<0>();
       }
+    }
+    if (held_stage >= 0) ptx::mbarrier_arrive(&q_empty[held_stage]);
+    if (hold) {
+      held_stage = s;
     } else {
-      if (lane < kBulkIssueLanes) ptx::bulk_wait_group_read<0>();
       ptx::mbarrier_arrive(&q_empty[s]);
+      held_stage = -1;
     }
 
     // ---- dK, dV of the unit: reduce-added when it ends --------------------------------------------------

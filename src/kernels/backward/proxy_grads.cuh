@@ -75,6 +75,24 @@ struct ProxyItem {
   uint32_t key, begin, count;  // list key, first entry, entries (≤ 64)
 };
 
+// A warpgroup's m64n128 fp32 fragment of dk_proxy reduce-added to a proxy head's rows: the
+// thread's rows are keys key_pos and key_pos + 8 (columns = dims 2·(lane % 4) + 8j, + 1); keys past
+// the sequence are skipped.
+template <typename Args>
+__device__ __forceinline__ void reduce_add_dk_proxy_rows(const Args& args, const float (&acc)[64], int b,
+                                                         int proxy_head, int key_pos) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    if (key_pos + 8 * h < args.seqlen) {
+      float* row = args.dk_proxy_accum +
+                   ((int64_t(b) * args.seqlen + key_pos + 8 * h) * args.num_proxy_heads + proxy_head) * kHeadDim +
+                   2 * (threadIdx.x % 4);
+#pragma unroll
+      for (int j = 0; j < 16; ++j) reduce_add2(row + 8 * j, acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+    }
+  }
+}
+
 template <typename Element>
 __global__ void __launch_bounds__(kProxyGradThreads, 1) proxy_grads_kernel(const ProxyGradArgs<Element> args) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -185,17 +203,7 @@ __global__ void __launch_bounds__(kProxyGradThreads, 1) proxy_grads_kernel(const
   uint32_t dk_key = 0xffffffffu;
   auto flush_dk = [&]() {
     const forward::ListKey key = forward::decode_list_key(dk_key, args);
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int key_pos = key.block * kBlockSize + 64 * consumer + row0 + 8 * h;
-      if (key_pos < args.seqlen) {
-        float* row = args.dk_proxy_accum +
-                     ((int64_t(key.b) * args.seqlen + key_pos) * args.num_proxy_heads + key.proxy_head) * kHeadDim +
-                     2 * (lane % 4);
-#pragma unroll
-        for (int j = 0; j < 16; ++j) reduce_add2(row + 8 * j, dk[4 * j + 2 * h], dk[4 * j + 2 * h + 1]);
-      }
-    }
+    reduce_add_dk_proxy_rows(args, dk, key.b, key.proxy_head, key.block * kBlockSize + 64 * consumer + row0);
 #pragma unroll
     for (int i = 0; i < 64; ++i) dk[i] = 0.f;
   };

@@ -22,6 +22,29 @@ __device__ __forceinline__ float kl_gradient_factor(const BackwardParams& params
   return *params.kl_grad * proxy_scale / rows;
 }
 
+// The (b, i, head) of linear row r of a [B, S, heads] tensor, stepped on without divisions.
+struct TokenHeadCursor {
+  int64_t b, token;
+  int head;
+  __device__ __forceinline__ TokenHeadCursor(int64_t row, int heads, int seqlen) {
+    const int64_t token_row = row / heads;  // b · S + i
+    head = int(row - token_row * heads);
+    b = token_row / seqlen;
+    token = token_row - b * seqlen;
+  }
+  // `step` rows on.
+  __device__ __forceinline__ void advance(int step, int heads, int seqlen) {
+    head += step;
+    while (head >= heads) {
+      head -= heads;
+      if (++token == seqlen) {
+        token = 0;
+        ++b;
+      }
+    }
+  }
+};
+
 constexpr int kDeltaThreads = 256;   // 8 warps
 constexpr int kDeltaRowsPerWarp = 8;  // 4 passes of 2 rows: a half-warp per row, 16 bytes per lane
 
@@ -37,28 +60,18 @@ __global__ void __launch_bounds__(kDeltaThreads) delta_kernel(const BackwardPara
   const int dim = (lane % 16) * 8;
   const Strided<const T> out = strided<const T>(params.fwd.out);
   const Strided<const T> dout = strided<const T>(params.dout);
-  int64_t token_row = first / shape.num_heads;  // b · S + i
-  int head = int(first - token_row * shape.num_heads);
-  int64_t b = token_row / shape.seqlen;
-  int64_t token = token_row - b * shape.seqlen;
+  TokenHeadCursor at(first, shape.num_heads, shape.seqlen);
   uint4 o[kPasses], d[kPasses];
   int64_t target[kPasses];  // index into delta, −1 past the last row
 #pragma unroll
   for (int u = 0; u < kPasses; ++u) {
     const bool valid = first + 2 * u < rows;
-    target[u] = valid ? (b * shape.num_heads + head) * shape.seqlen + token : -1;
-    const T* o_row = valid ? out.row(b, token, head) + dim : out.ptr + dim;
-    const T* d_row = valid ? dout.row(b, token, head) + dim : dout.ptr + dim;
+    target[u] = valid ? (at.b * shape.num_heads + at.head) * shape.seqlen + at.token : -1;
+    const T* o_row = valid ? out.row(at.b, at.token, at.head) + dim : out.ptr + dim;
+    const T* d_row = valid ? dout.row(at.b, at.token, at.head) + dim : dout.ptr + dim;
     o[u] = *reinterpret_cast<const uint4*>(o_row);
     d[u] = *reinterpret_cast<const uint4*>(d_row);
-    head += 2;
-    while (head >= shape.num_heads) {
-      head -= shape.num_heads;
-      if (++token == shape.seqlen) {
-        token = 0;
-        ++b;
-      }
-    }
+    at.advance(2, shape.num_heads, shape.seqlen);
   }
 #pragma unroll
   for (int u = 0; u < kPasses; ++u) {
