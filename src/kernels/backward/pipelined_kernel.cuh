@@ -235,7 +235,7 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
     num_tiles = int(at - lo);
     __syncthreads();
   }
-  const int warpgroup = threadIdx.x / 128;
+  const int warpgroup = ptx::warpgroup_index();
 
   if (warpgroup == 0) {
     // ===================================== producer =====================================

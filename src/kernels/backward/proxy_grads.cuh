@@ -99,7 +99,7 @@ __global__ void __launch_bounds__(kProxyGradThreads, 1) proxy_grads_kernel(const
   ProxyGradShared& shared = *reinterpret_cast<ProxyGradShared*>(
       smem_raw + ((1024 - (ptx::smem_address(smem_raw) & 1023)) & 1023));
   const int thread = threadIdx.x;
-  const int warp = thread / 32;
+  const int warp = ptx::warp_index();
   const int lane = thread % 32;
   const uint32_t* entries = args.header[0] == 1 ? args.entries[1] : args.entries[0];
   const uint32_t entry_base = args.entry_offsets[args.key_begin];

@@ -172,7 +172,7 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
   const uint32_t total = args.tile_offsets[args.first_key + args.keys_per_chunk] - begin;
   const uint32_t lo = begin + uint32_t(uint64_t(total) * blockIdx.x / gridDim.x);
   const int num_tiles = int(begin + uint32_t(uint64_t(total) * (blockIdx.x + 1) / gridDim.x) - lo);
-  const int warpgroup = threadIdx.x / 128;
+  const int warpgroup = ptx::warpgroup_index();
 
   if (warpgroup == 0) {
     // ===================================== producer =====================================

@@ -113,7 +113,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   constexpr uint32_t kKeyBytes = 2 * kBlockSize * kHalfDim * sizeof(Element);
   constexpr uint32_t kConsumerWarps = 4 * kConsumerWarpgroups;
 
-  const int warpgroup = threadIdx.x / 128;
+  const int warpgroup = ptx::warpgroup_index();
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
       ptx::mbarrier_init(&smem.key_full[s], 1);

@@ -61,6 +61,14 @@ __device__ __forceinline__ void named_barrier_arrive(uint32_t id, uint32_t threa
   asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
+// The warp group of this thread (threadIdx.x / 128), broadcast from lane 0 so the compiler knows it
+// is warp-uniform: what derives from it (shared-memory tile addresses, wgmma descriptors) then
+// lives in uniform registers instead of being moved there before every wgmma.
+__device__ __forceinline__ int warpgroup_index() { return __shfl_sync(0xffffffffu, int(threadIdx.x / 128), 0); }
+
+// The warp of this thread (threadIdx.x / 32), broadcast the same way.
+__device__ __forceinline__ int warp_index() { return __shfl_sync(0xffffffffu, int(threadIdx.x / 32), 0); }
+
 // Register reallocation between warp groups (sm_90a); needs a register cap at kernel entry.
 template <uint32_t kRegisters>
 __device__ __forceinline__ void warpgroup_registers_increase() {
