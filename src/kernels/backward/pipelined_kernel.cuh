@@ -461,6 +461,7 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
     dk[i] = 0.f;
     dv[i] = 0.f;
   }
+  bool unit_fresh = true;  // sparse mode: dK, dV hold nothing of the current unit yet
   // acc (+)= (this warpgroup's 64 rows of a key tile) · rowsᵀ over the 128 dims: both operands
   // K-major, `rows_per_half` rows per 64-dim half of the row tile.
   auto key_gemm = [&](auto& acc, const Element* key_tile, const Element* row_tile, int rows_per_half) {
@@ -644,12 +645,12 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
 #pragma unroll
       for (int k_step = 0; k_step < 4; ++k_step) {
         const uint64_t desc_do = ptx::make_sw128_mnmajor_desc(do_tile + k_step * 16 * 64, kStepRows * 128);
-        Mma128::template run<1>(dv, p_frag[k_step], desc_do, 1u);
+        Mma128::template run<1>(dv, p_frag[k_step], desc_do, k_step > 0 || !unit_fresh ? 1u : 0u);
       }
 #pragma unroll
       for (int k_step = 0; k_step < 4; ++k_step) {
         const uint64_t desc_q = ptx::make_sw128_mnmajor_desc(q_tile + k_step * 16 * 64, kStepRows * 128);
-        Mma128::template run<1>(dk, ds_frag[k_step], desc_q, 1u);
+        Mma128::template run<1>(dk, ds_frag[k_step], desc_q, k_step > 0 || !unit_fresh ? 1u : 0u);
       }
       ptx::wgmma_commit_group();
 
@@ -886,12 +887,10 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
           }
         }
       }
-#pragma unroll
-      for (int i = 0; i < 64; ++i) {
-        dk[i] = 0.f;
-        dv[i] = 0.f;
-      }
     }
+    // The next step starts a unit's dK, dV with a product that overwrites the accumulators: zeroing
+    // them here instead makes the compiler move all 128 between two register sets every step.
+    unit_fresh = (flags & kStepUnitLast) != 0;
     if (flags & kStepLast) {
       if (lane < kBulkIssueLanes) ptx::bulk_wait_group<0>();
       break;
