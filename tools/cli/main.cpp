@@ -6,12 +6,15 @@
 //
 //   flashmsa [--config paper|specialized|seed] [--seqlen S] [--batch B] [--top-k K]
 //            [--mode sparse|warmup] [--dtype bf16|fp16] [--cpu]
+#include <charconv>
 #include <chrono>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
 #include <string>
+#include <system_error>
 #include <vector>
 
 #include "common/cases.h"
@@ -33,13 +36,25 @@ struct CliOptions {
   bool force_cpu = false;
 };
 
+constexpr const char* kUsage =
+    "usage: flashmsa [--config paper|specialized|seed] [--seqlen S] [--batch B]\n"
+    "                [--top-k K] [--mode sparse|warmup] [--dtype bf16|fp16] [--cpu]\n";
+
 [[noreturn]] void usage_error(const std::string& message) {
-  std::fprintf(stderr,
-               "flashmsa: %s\n"
-               "usage: flashmsa [--config paper|specialized|seed] [--seqlen S] [--batch B]\n"
-               "                [--top-k K] [--mode sparse|warmup] [--dtype bf16|fp16] [--cpu]\n",
-               message.c_str());
+  std::fprintf(stderr, "flashmsa: %s\n%s", message.c_str(), kUsage);
   std::exit(2);
+}
+
+// `value` as a whole decimal integer in [low, high], or a usage error naming the flag.
+int64_t parse_integer(const std::string& flag, const std::string& value, int64_t low, int64_t high) {
+  int64_t parsed = 0;
+  const char* end = value.data() + value.size();
+  const auto [stop, error] = std::from_chars(value.data(), end, parsed);
+  if (value.empty() || error != std::errc() || stop != end || parsed < low || parsed > high) {
+    usage_error(flag + " must be an integer in [" + std::to_string(low) + ", " + std::to_string(high) +
+                "], got '" + value + "'");
+  }
+  return parsed;
 }
 
 CliOptions parse(int argc, char** argv) {
@@ -50,21 +65,21 @@ CliOptions parse(int argc, char** argv) {
       options.force_cpu = true;
       continue;
     }
-    if (flag == "--help" || flag == "-h") usage_error("help");
+    if (flag == "--help" || flag == "-h") {
+      std::fputs(kUsage, stdout);
+      std::exit(0);
+    }
     if (i + 1 >= argc) usage_error(flag + " needs a value");
     const std::string value = argv[++i];
     if (flag == "--config") {
       if (cases::find_config(value) == nullptr) usage_error("unknown --config " + value);
       options.config = value;
     } else if (flag == "--seqlen") {
-      options.seqlen = std::atoll(value.c_str());
-      if (options.seqlen < 1) usage_error("--seqlen must be >= 1");
+      options.seqlen = parse_integer(flag, value, 1, int64_t(1) << 30);
     } else if (flag == "--batch") {
-      options.batch = std::atoll(value.c_str());
-      if (options.batch < 1) usage_error("--batch must be >= 1");
+      options.batch = parse_integer(flag, value, 1, 1 << 16);
     } else if (flag == "--top-k") {
-      options.top_k = std::atoi(value.c_str());
-      if (options.top_k < 1 || options.top_k > kMaxTopK) usage_error("--top-k must be in [1, 64]");
+      options.top_k = int(parse_integer(flag, value, 1, kMaxTopK));
     } else if (flag == "--mode") {
       if (value == "sparse") {
         options.mode = Mode::kSparse;
