@@ -23,7 +23,7 @@ TEST(PipelinedForwardLayout, EveryHeadMapFitsWithAlignedTiles) {
     const ProblemShape shape = small_shape(1, 4096, m, 1, 1, 1, 16, 128, 128);
     ASSERT_TRUE(kernels::forward::pipelined_supported(shape)) << "M = " << m;
     const PipelinedLayout layout = make_pipelined_layout(shape);
-    EXPECT_LE(layout.total, kernels::forward::kMaxDynamicSharedBytes) << "M = " << m;
+    EXPECT_LE(layout.total, kernels::kMaxBlockSharedBytes) << "M = " << m;
     EXPECT_GE(layout.stages, 2) << "M = " << m;
     EXPECT_LE(layout.stages, kernels::forward::kPipelinedMaxStages) << "M = " << m;
     for (uint32_t offset : {layout.q, layout.k, layout.v, layout.kp}) {
@@ -55,7 +55,7 @@ TEST(PipelinedBackwardLayout, FitsWithAlignedTiles) {
     for (int m : {2, 4, 8, 16}) {
       const std::string where = "M = " + std::to_string(m) + (kl_only ? ", KL-only" : "");
       const bw::PipelinedLayout layout = bw::make_pipelined_layout(kl_only, m);
-      EXPECT_LE(layout.total, kernels::forward::kMaxDynamicSharedBytes) << where;
+      EXPECT_LE(layout.total, kernels::kMaxBlockSharedBytes) << where;
       for (uint32_t offset : {layout.k, layout.v, layout.kp, layout.stage, layout.ds, layout.g, layout.qp_flush}) {
         EXPECT_EQ(offset % 1024, 0u) << where;
       }

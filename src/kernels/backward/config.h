@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "flashmsa/params.h"
+#include "kernels/common/smem_limits.h"
 #include "kernels/schedule/config.h"
 
 namespace flashmsa::kernels::backward {
@@ -76,7 +77,7 @@ struct SharedStorage {
 };
 
 constexpr size_t kSmemBytes = sizeof(SharedStorage) + 128;  // + alignment slack
-static_assert(kSmemBytes <= 227 * 1024, "backward shared memory over the sm_90 limit");
+static_assert(kSmemBytes <= kMaxBlockSharedBytes, "backward shared memory over the sm_90 limit");
 
 // ---------------------------------------------------------------------------------------------
 // The pipelined tile kernel (pipelined_kernel.cuh): non-deterministic mode, M = H/Hp ∈ {2, 4, 8,
@@ -280,14 +281,12 @@ constexpr PipelinedLayout make_pipelined_layout(bool kl_only, int m, int stages)
   layout.total = at + 1024;
   return layout;
 }
-constexpr uint32_t kPipelinedSmemLimit = 227 * 1024;
 constexpr int pipelined_stages(bool kl_only, int m) {
-  return !kl_only && make_pipelined_layout(false, m, 3).total <= kPipelinedSmemLimit ? 3 : 2;
+  return !kl_only && make_pipelined_layout(false, m, 3).total <= kMaxBlockSharedBytes ? 3 : 2;
 }
 constexpr PipelinedLayout make_pipelined_layout(bool kl_only, int m) {
   return make_pipelined_layout(kl_only, m, pipelined_stages(kl_only, m));
 }
-constexpr int kPipelinedMaxStages = 3;
 
 // ---------------------------------------------------------------------------------------------
 // Workspace: byte offsets of every buffer, from shapes alone (backward_workspace_size() returns

@@ -13,6 +13,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "kernels/common/smem_limits.h"
 #include "kernels/schedule/config.h"
 
 namespace flashmsa::kernels::forward {
@@ -71,8 +72,6 @@ constexpr uint32_t kStageMetaBytes = kPipelinedMaxTokens * (8 + 8 + 4 + 4) + 16;
 // The pipelined kernel serves M = H/Hp ≥ 2 (≤ 64 proxy rows per tile); M = 1 uses kernel.cuh.
 inline bool pipelined_supported(const ProblemShape& shape) { return shape.heads_per_proxy() >= 2; }
 
-constexpr uint32_t kMaxDynamicSharedBytes = 227 * 1024;
-
 inline PipelinedLayout make_pipelined_layout(const ProblemShape& shape, int stages) {
   PipelinedLayout layout;
   layout.stages = stages;
@@ -103,7 +102,7 @@ inline PipelinedLayout make_pipelined_layout(const ProblemShape& shape, int stag
 inline PipelinedLayout make_pipelined_layout(const ProblemShape& shape) {
   for (int stages = kPipelinedMaxStages; stages > 2; --stages) {
     const PipelinedLayout layout = make_pipelined_layout(shape, stages);
-    if (layout.total <= kMaxDynamicSharedBytes) return layout;
+    if (layout.total <= kMaxBlockSharedBytes) return layout;
   }
   return make_pipelined_layout(shape, 2);
 }

@@ -12,6 +12,7 @@
 #include <cstdint>
 
 #include "flashmsa/params.h"
+#include "kernels/common/smem_limits.h"
 
 namespace flashmsa::kernels::select {
 
@@ -65,8 +66,6 @@ template <typename Element, int kMaxKeep, int kStages>
 constexpr int smem_bytes() {
   return int(sizeof(SharedStorage<Element, kMaxKeep, kStages>)) + 1024;
 }
-
-constexpr int kMaxSmemBytes = 227 * 1024;
 
 // Kernel arguments besides the tensor maps. Tiles are numbered longest first (see kernel.cuh).
 struct KernelParams {

@@ -331,7 +331,7 @@ template <typename Element, int kMaxTopKOfBucket>
 Status run_select(const SelectParams& params, cudaStream_t stream) {
   using Bucket = TopKBucket<kMaxTopKOfBucket>;
   constexpr int kSmemBytes = smem_bytes<Element, Bucket::kMaxKeep, Bucket::kStages>();
-  static_assert(kSmemBytes <= kMaxSmemBytes, "select: shared memory over the 227 KB budget");
+  static_assert(uint32_t(kSmemBytes) <= kMaxBlockSharedBytes, "select: shared memory over the 227 KB budget");
   const ProblemShape& shape = params.shape;
   if (shape.num_blocks() > 65536) {
     return {StatusCode::kUnsupported,

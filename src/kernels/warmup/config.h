@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "flashmsa/params.h"
+#include "kernels/common/smem_limits.h"
 
 namespace flashmsa::kernels::warmup {
 
@@ -31,7 +32,7 @@ constexpr size_t forward_smem_bytes(bool with_value) {
   return size_t(kForwardRows) * kHeadDim * 2 +
          size_t(kForwardStages) * kKeyStep * kHeadDim * 2 * (with_value ? 2 : 1);
 }
-static_assert(2 * forward_smem_bytes(true) <= 227 * 1024, "warmup forward: two CTAs per SM");
+static_assert(2 * forward_smem_bytes(true) <= kMaxBlockSharedBytes, "warmup forward: two CTAs per SM");
 
 // ---------------------------------------------------------------------------------------------
 // Backward: two kernels, each owning its outputs (no atomics, so every run is bitwise identical).
@@ -89,8 +90,8 @@ struct DkdvStorage {
 
 constexpr size_t kDqSmemBytes = sizeof(DqStorage) + 128;      // + alignment slack
 constexpr size_t kDkdvSmemBytes = sizeof(DkdvStorage) + 128;
-static_assert(kDqSmemBytes <= 227 * 1024, "warmup dq kernel: shared memory over the sm_90 limit");
-static_assert(kDkdvSmemBytes <= 227 * 1024, "warmup dkdv kernel: shared memory over the sm_90 limit");
+static_assert(kDqSmemBytes <= kMaxBlockSharedBytes, "warmup dq kernel: shared memory over the sm_90 limit");
+static_assert(kDkdvSmemBytes <= kMaxBlockSharedBytes, "warmup dkdv kernel: shared memory over the sm_90 limit");
 
 // ---------------------------------------------------------------------------------------------
 // Backward workspace (backward_workspace_size() in warmup mode returns `total`); the forward needs
