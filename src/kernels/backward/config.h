@@ -87,8 +87,13 @@ static_assert(kSmemBytes <= kMaxBlockSharedBytes, "backward shared memory over t
 // ---------------------------------------------------------------------------------------------
 constexpr int kPipelinedThreads = 3 * 128;  // producer warpgroup + two consumer warpgroups
 constexpr int kPipelinedProducerThreads = 128;
-constexpr int kPipelinedProducerRegisters = 40;  // 128·40 + 256·232 = 64512 ≤ 65536
-constexpr int kPipelinedConsumerRegisters = 232;
+// Register split (128·producer + 256·consumer = 64512 ≤ 65536): with M ≥ 8 the consumers fit in
+// 224 without spilling and the producer, which spills at 40, gets 56; with M ≤ 4 the consumers
+// need 232.
+constexpr int pipelined_producer_registers(int m) { return m >= 8 ? 56 : 40; }
+constexpr int pipelined_consumer_registers(int m) { return m >= 8 ? 224 : 232; }
+static_assert(128 * pipelined_producer_registers(8) + 256 * pipelined_consumer_registers(8) <= 65536);
+static_assert(128 * pipelined_producer_registers(4) + 256 * pipelined_consumer_registers(4) <= 65536);
 // KL-only mode: the consumers hold no dK or dV (only dk_proxy of the list), so the producer, which
 // spills at 40, gets more.
 constexpr int kKlOnlyProducerRegisters = 72;  // 128·72 + 256·216 = 64512

@@ -239,7 +239,7 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
 
   if (warpgroup == 0) {
     // ===================================== producer =====================================
-    ptx::warpgroup_registers_decrease<kKlOnly ? kKlOnlyProducerRegisters : kPipelinedProducerRegisters>();
+    ptx::warpgroup_registers_decrease<kKlOnly ? kKlOnlyProducerRegisters : pipelined_producer_registers(kM)>();
     const int thread = threadIdx.x;
     const int chunk = thread & 15;
     const int first_row = thread >> 4;  // rows first_row + 8·i
@@ -429,7 +429,7 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
   }
 
   // ===================================== consumers =====================================
-  ptx::warpgroup_registers_increase<kKlOnly ? kKlOnlyConsumerRegisters : kPipelinedConsumerRegisters>();
+  ptx::warpgroup_registers_increase<kKlOnly ? kKlOnlyConsumerRegisters : pipelined_consumer_registers(kM)>();
   const int consumer = warpgroup - 1;            // keys [64·consumer, 64·consumer + 64)
   const int wg_thread = threadIdx.x & 127;
   const int consumer_thread = threadIdx.x - 128;  // 0 … 255
@@ -442,7 +442,7 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
   const uint32_t ds_address = ptx::shared_address(
       ds_tile + consumer * kStepRows * 64 + sw128_offset(kStepRows, 8 * (lane / 16) + lane % 8, 2 * warp + (lane / 8) % 2));
   constexpr uint32_t kMidBarrier = 2;   // dS (KL-only: g, staged rows), KL partials written by both
-  constexpr uint32_t kStepBarrier = 3;  // both warpgroups done with the previous step
+  constexpr uint32_t kStepBarrier = 3;  // KL-only: both warpgroups done reading the last flush
   constexpr uint32_t kDqBarrier = 4;    // the step's dQ rows staged by both
   // KL-only: the warpgroups take turns issuing Sᵀ (warpgroup c waits on barrier kTurnBarrier + c,
   // then lets the other go), so one's product runs under the other's exponentials.
@@ -454,14 +454,11 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
   const uint32_t dq_row_offset[2] = {dq_stage_row_offset(warp * 16 + lane / 4, kM),
                                      dq_stage_row_offset(warp * 16 + lane / 4 + 8, kM)};
 
+  // The accumulators are never zeroed: a unit's (KL-only: a list's) first product overwrites them
+  // (scale-d 0), so no flush leaves a register copy behind.
   float dk[64];
   float dv[64];
-#pragma unroll
-  for (int i = 0; i < 64; ++i) {
-    dk[i] = 0.f;
-    dv[i] = 0.f;
-  }
-  bool unit_fresh = true;  // sparse mode: dK, dV hold nothing of the current unit yet
+  bool unit_fresh = true;  // dK, dV (KL-only: dk_proxy) hold nothing of the current unit (list) yet
   // acc (+)= (this warpgroup's 64 rows of a key tile) · rowsᵀ over the 128 dims: both operands
   // K-major, `rows_per_half` rows per 64-dim half of the row tile.
   auto key_gemm = [&](auto& acc, const Element* key_tile, const Element* row_tile, int rows_per_half) {
@@ -479,12 +476,12 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
   };
   // dk_proxy[keys] += g·q̃ over the staged tokens: A = g (keys × tokens, K-major), B = the staged
   // q̃ rows (tokens × di, MN-major).
-  auto dk_proxy_product = [&](float (&acc)[64]) {
+  auto dk_proxy_product = [&](float (&acc)[64], bool fresh) {
 #pragma unroll
     for (int k_step = 0; k_step < kFlush / 16; ++k_step) {
       const uint64_t desc_g = ptx::advance_desc(ptx::make_sw128_kmajor_desc(g_tile + consumer * 64 * 64), k_step * 32);
       const uint64_t desc_qp = ptx::make_sw128_mnmajor_desc(qp_flush + k_step * 16 * 64, kFlush * 128);
-      ptx::WgmmaSS<Element, 128, 0, 1>::run(acc, desc_g, desc_qp, 1u);
+      ptx::WgmmaSS<Element, 128, 0, 1>::run(acc, desc_g, desc_qp, k_step > 0 || !fresh ? 1u : 0u);
     }
   };
   // dq_proxyᵀ[dims] = k̃ᵀ·gᵀ: A = k̃ (di × keys, MN-major), B = g (keys × tokens, MN-major).
@@ -656,9 +653,8 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
 
       // ---- dS to shared memory as (row, key), transposed by stmatrix: lane 8i + j stores step row
       // 16·k_step + 8·(i / 2) + j, keys 8·(i % 2) … of this warp's 16 -------------------------------------
-      // Both warpgroups finished the previous step first: its dQ GEMM and KL sums read the dS and
-      // the KL partials that this step overwrites.
-      if (step > 0) ptx::named_barrier_sync(kStepBarrier, 256);
+      // No barrier here: the previous step's dQ GEMM and KL sums, which read the dS and the KL
+      // partials this step overwrites, completed in both warpgroups before its kDqBarrier.
 #pragma unroll
       for (int k_step = 0; k_step < 4; ++k_step) ptx::stmatrix_x4_trans(ds_address + k_step * 16 * 128, ds_frag[k_step]);
     } else {
@@ -769,7 +765,8 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
         // dk_proxy over the whole list accumulates in the registers the sparse mode gives dK (stale
         // g columns past the staged tokens meet zero q̃ rows); dq_proxy of the staged tokens.
         ptx::wgmma_fence();
-        dk_proxy_product(dk);
+        dk_proxy_product(dk, unit_fresh);
+        unit_fresh = false;
         ptx::wgmma_commit_group();
         float acc[32];
         dq_proxy_product(acc);
@@ -786,8 +783,7 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
         reduce_add_dq_proxy(dqp_stage, key, staged);
         if (flags & kStepListLast) {
           reduce_add_dk_proxy_rows(args, dk, key.b, key.proxy_head, first_key + key_row0);
-#pragma unroll
-          for (int i = 0; i < 64; ++i) dk[i] = 0.f;
+          unit_fresh = true;
         }
       }
       staged = 0;

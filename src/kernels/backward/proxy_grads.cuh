@@ -197,15 +197,11 @@ __global__ void __launch_bounds__(kProxyGradThreads, 1) proxy_grads_kernel(const
   // lane/4 (+8), columns = dims), accumulated over the CTA's items of the list.
   const int consumer = warp / 4;
   const int row0 = 16 * (warp % 4) + lane / 4;  // this thread's first fragment row
-  float dk[64];
-#pragma unroll
-  for (int i = 0; i < 64; ++i) dk[i] = 0.f;
+  float dk[64];  // written first by a list's first product (scale-d 0), never zeroed
   uint32_t dk_key = 0xffffffffu;
   auto flush_dk = [&]() {
     const forward::ListKey key = forward::decode_list_key(dk_key, args);
     reduce_add_dk_proxy_rows(args, dk, key.b, key.proxy_head, key.block * kBlockSize + 64 * consumer + row0);
-#pragma unroll
-    for (int i = 0; i < 64; ++i) dk[i] = 0.f;
   };
 
   // Software pipeline: while item i is multiplied, items i + 1 and i + 2 have their copies in flight
@@ -247,7 +243,10 @@ __global__ void __launch_bounds__(kProxyGradThreads, 1) proxy_grads_kernel(const
     const ProxyGradBuffer& buffer = shared.buffers[index];
     const forward::ListKey key = forward::decode_list_key(item.key, args);
 
-    if (item.key != dk_key) {
+    // A new list starts its dk with the first product (scale-d 0) rather than zeroing the registers
+    // after the flush, which would have the compiler copy the accumulators between register sets.
+    const bool dk_fresh = item.key != dk_key;
+    if (dk_fresh) {
       if (dk_key != 0xffffffffu) flush_dk();
       dk_key = item.key;
     }
@@ -269,7 +268,7 @@ __global__ void __launch_bounds__(kProxyGradThreads, 1) proxy_grads_kernel(const
           buffer.g + consumer * kProxyItemEntries * 64 + k_step * 16 * 64, kProxyItemEntries * 128);
       const uint64_t desc_qp =
           ptx::make_sw128_mnmajor_desc(buffer.q_proxy + k_step * 16 * 64, kProxyItemEntries * 128);
-      ptx::WgmmaSS<Element, 128, 1, 1>::run(dk, desc_gt, desc_qp, 1u);
+      ptx::WgmmaSS<Element, 128, 1, 1>::run(dk, desc_gt, desc_qp, k_step > 0 || !dk_fresh ? 1u : 0u);
     }
     ptx::wgmma_commit_group();
     ptx::wgmma_wait_group<0>();
