@@ -142,7 +142,7 @@ Status run_forward(const ForwardParams& params, cudaStream_t stream) {
 
     combine_args.chunk_first_row = first_row;
     combine_args.chunk_rows = std::min<int64_t>(layout.chunk_rows, total_rows - first_row);
-    const int64_t warps = combine_args.chunk_rows * shape.num_heads;
+    const int64_t warps = combine_args.chunk_rows * shape.num_proxy_heads;  // one per (row, proxy head)
     sparse_forward_combine<Element><<<unsigned((warps * 32 + 255) / 256), 256, 0, stream>>>(combine_args);
     if (Status s = cuda_status(cudaGetLastError(), "combine"); !s.ok()) return s;
   }
