@@ -39,9 +39,10 @@
 //                                          proxy_grads.cuh computes dq_proxy and dk_proxy; KL terms
 //                                          per (token, slot)
 //
-// Synchronisation between the consumer warpgroups: named barriers per step, one after dS and the
-// KL partials are written (both warpgroups read both), one before the next step overwrites them,
-// one after the dQ rows are staged.
+// Synchronisation between the consumer warpgroups: two named barriers per step, one after dS and
+// the KL partials are written (both warpgroups read both), one after the dQ rows are staged. The
+// second also orders the next step's dS and KL partial stores after this step's readers, which
+// finish before it.
 //
 // The KL-only mode (below) keeps the proxy gradients in this kernel: g and the q_proxy rows are
 // staged for flush_tokens tokens, then dk_proxy += g·q̃ (m64n128) and dq_proxyᵀ = k̃ᵀ·gᵀ (m64n64).
