@@ -87,17 +87,14 @@ static_assert(kSmemBytes <= kMaxBlockSharedBytes, "backward shared memory over t
 // ---------------------------------------------------------------------------------------------
 constexpr int kPipelinedThreads = 3 * 128;  // producer warpgroup + two consumer warpgroups
 constexpr int kPipelinedProducerThreads = 128;
-// Register split (128·producer + 256·consumer = 64512 ≤ 65536): with M ≥ 8 the consumers fit in
-// 224 without spilling and the producer, which spills at 40, gets 56; with M ≤ 4 the consumers
-// need 232.
+// Register split: the producer warpgroup's count sets the consumers' to what is left of the 64K
+// registers (setmaxnreg takes multiples of 8). With M ≥ 8 the consumers fit in 224 without
+// spilling and the producer, which spills at 40, gets 56; with M ≤ 4 the consumers need 232.
 constexpr int pipelined_producer_registers(int m) { return m >= 8 ? 56 : 40; }
-constexpr int pipelined_consumer_registers(int m) { return m >= 8 ? 224 : 232; }
-static_assert(128 * pipelined_producer_registers(8) + 256 * pipelined_consumer_registers(8) <= 65536);
-static_assert(128 * pipelined_producer_registers(4) + 256 * pipelined_consumer_registers(4) <= 65536);
+constexpr int consumer_registers_beside(int producer) { return (65536 - 128 * producer) / 256 / 8 * 8; }
 // KL-only mode: the consumers hold no dK or dV (only dk_proxy of the list), so the producer, which
-// spills at 40, gets more.
-constexpr int kKlOnlyProducerRegisters = 72;  // 128·72 + 256·216 = 64512
-constexpr int kKlOnlyConsumerRegisters = 216;
+// spills at 40, gets more (consumers 216).
+constexpr int kKlOnlyProducerRegisters = 72;
 constexpr int kStepRows = 64;        // gathered main rows per step (the N of Sᵀ = K·Qᵀ)
 // KL-only mode with M ≥ 4 takes 128 rows per step: Q fills the stage's dO half too, and the per-step
 // costs (barriers, hand-off, proxy products) are paid per 128 rows.

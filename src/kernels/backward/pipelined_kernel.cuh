@@ -162,6 +162,7 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
   constexpr int kStageElements = int(pipelined_stage_bytes(kKlOnly, kM) / 2);
   constexpr int kFlush = flush_tokens(kKlOnly);  // tokens staged per proxy-gradient flush
   constexpr int kStages = pipelined_stages(kKlOnly, kM);
+  constexpr int kProducerRegisters = kKlOnly ? kKlOnlyProducerRegisters : pipelined_producer_registers(kM);
   using Mma128 = ptx::Wgmma64x128x16<Element>;
 
   extern __shared__ unsigned char smem_raw[];
@@ -240,7 +241,7 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
 
   if (warpgroup == 0) {
     // ===================================== producer =====================================
-    ptx::warpgroup_registers_decrease<kKlOnly ? kKlOnlyProducerRegisters : pipelined_producer_registers(kM)>();
+    ptx::warpgroup_registers_decrease<kProducerRegisters>();
     const int thread = threadIdx.x;
     const int chunk = thread & 15;
     const int first_row = thread >> 4;  // rows first_row + 8·i
@@ -430,7 +431,7 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
   }
 
   // ===================================== consumers =====================================
-  ptx::warpgroup_registers_increase<kKlOnly ? kKlOnlyConsumerRegisters : pipelined_consumer_registers(kM)>();
+  ptx::warpgroup_registers_increase<consumer_registers_beside(kProducerRegisters)>();
   const int consumer = warpgroup - 1;            // keys [64·consumer, 64·consumer + 64)
   const int wg_thread = threadIdx.x & 127;
   const int consumer_thread = threadIdx.x - 128;  // 0 … 255
