@@ -441,7 +441,7 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
   const int key_row0 = consumer * 64 + warp * 16 + lane / 4;  // block rows key_row0, key_row0 + 8
   // Row 8·(lane / 16) + lane % 8, key chunk 2·warp + (lane / 8) % 2 of this warpgroup's dS half; the
   // swizzle phase is row % 8, so the 16-row k-steps move the address by 16 rows.
-  const uint32_t ds_address = ptx::shared_address(
+  const uint32_t ds_address = ptx::smem_address(
       ds_tile + consumer * kStepRows * 64 + sw128_offset(kStepRows, 8 * (lane / 16) + lane % 8, 2 * warp + (lane / 8) % 2));
   constexpr uint32_t kMidBarrier = 2;   // dS (KL-only: g, staged rows), KL partials written by both
   constexpr uint32_t kStepBarrier = 3;  // KL-only: both warpgroups done reading the last flush

@@ -500,7 +500,7 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
     float inverse[2];
 #pragma unroll
     for (int half = 0; half < 2; ++half) inverse[half] = row_sum[half] > 0.f ? rcp_approx(row_sum[half]) : 0.f;
-    const uint32_t tile_address = ptx::shared_address(q_tile);
+    const uint32_t tile_address = ptx::smem_address(q_tile);
 #pragma unroll
     for (int k = 0; k < 8; ++k) {  // register r: rows half r % 2, columns 16k + 8·(r / 2) …
       uint32_t frag[4];

@@ -12,15 +12,13 @@
 
 #include <cstdint>
 
-namespace flashmsa::kernels::ptx {
+#include "kernels/common/ptx/barrier.h"
 
-__device__ __forceinline__ uint32_t shared_address(const void* pointer) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(pointer));
-}
+namespace flashmsa::kernels::ptx {
 
 // 16-byte global -> shared copy; `valid` false fills the 16 bytes with zeros (src is not read).
 __device__ __forceinline__ void cp_async_16(void* shared, const void* global, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(shared_address(shared)),
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_address(shared)),
                "l"(global), "r"(valid ? 16 : 0)
                : "memory");
 }
@@ -28,7 +26,7 @@ __device__ __forceinline__ void cp_async_16(void* shared, const void* global, bo
 // Makes `barrier` receive one arrival once every cp.async this thread issued so far has landed; the
 // arrival counts toward the barrier's expected count (.noinc). The thread does not wait.
 __device__ __forceinline__ void cp_async_arrive_noinc(uint64_t* barrier) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(shared_address(barrier)) : "memory");
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_address(barrier)) : "memory");
 }
 
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
@@ -42,7 +40,7 @@ __device__ __forceinline__ void cp_async_wait() {
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&frag)[4], const void* shared) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
                : "=r"(frag[0]), "=r"(frag[1]), "=r"(frag[2]), "=r"(frag[3])
-               : "r"(shared_address(shared)));
+               : "r"(smem_address(shared)));
 }
 
 // Stores four 8x8 16-bit matrices: lanes 8i … 8i + 7 give the row addresses of matrix i, and
@@ -65,7 +63,7 @@ __device__ __forceinline__ void stmatrix_x4_trans(uint32_t shared, const uint32_
 __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&frag)[4], const void* shared) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
                : "=r"(frag[0]), "=r"(frag[1]), "=r"(frag[2]), "=r"(frag[3])
-               : "r"(shared_address(shared)));
+               : "r"(smem_address(shared)));
 }
 
 // d += a · b for one m16n8k16 tile; Element selects bf16 or fp16 inputs.
