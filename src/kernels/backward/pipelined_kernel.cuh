@@ -166,7 +166,7 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
   using Mma128 = ptx::Wgmma64x128x16<Element>;
 
   extern __shared__ unsigned char smem_raw[];
-  unsigned char* smem = smem_raw + ((1024 - (ptx::smem_address(smem_raw) & 1023)) & 1023);
+  unsigned char* smem = ptx::align_shared_1024(smem_raw);
   Element* k_tile = reinterpret_cast<Element*>(smem + layout.k);
   Element* v_tile = reinterpret_cast<Element*>(smem + layout.v);
   Element* kp_tile = reinterpret_cast<Element*>(smem + layout.kp);

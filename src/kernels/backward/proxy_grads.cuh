@@ -96,8 +96,7 @@ __device__ __forceinline__ void reduce_add_dk_proxy_rows(const Args& args, const
 template <typename Element>
 __global__ void __launch_bounds__(kProxyGradThreads, 1) proxy_grads_kernel(const ProxyGradArgs<Element> args) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  ProxyGradShared& shared = *reinterpret_cast<ProxyGradShared*>(
-      smem_raw + ((1024 - (ptx::smem_address(smem_raw) & 1023)) & 1023));
+  ProxyGradShared& shared = *reinterpret_cast<ProxyGradShared*>(ptx::align_shared_1024(smem_raw));
   const int thread = threadIdx.x;
   const int warp = ptx::warp_index();
   const int lane = thread % 32;

@@ -139,7 +139,7 @@ template <typename Element, int kM>
 __global__ void __launch_bounds__(kPipelinedThreads, 1)
     sparse_forward_pipelined(const TileArgs<Element> args, const PipelinedLayout layout) {
   extern __shared__ unsigned char smem_raw[];
-  unsigned char* smem = smem_raw + ((1024 - (ptx::smem_address(smem_raw) & 1023)) & 1023);
+  unsigned char* smem = ptx::align_shared_1024(smem_raw);
   constexpr int kTileElements = kTileRows * kHeadDim;
   Element* q_stages = reinterpret_cast<Element*>(smem + layout.q);  // (stage, 2 halves, 128 rows, 64)
   Element* k_tile = reinterpret_cast<Element*>(smem + layout.k);

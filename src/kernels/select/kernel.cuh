@@ -104,10 +104,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                   const __grid_constant__ CUtensorMap key_map, const KernelParams params) {
   using Storage = SharedStorage<Element, kMaxKeep, kStages>;
   extern __shared__ unsigned char smem_raw[];
-  // NOTES: aligned by pointer arithmetic on the __shared__ array (not through an integer), so the
-  // compiler keeps the shared address space and emits LDS/STS for the top-K lists.
-  Storage& smem = *reinterpret_cast<Storage*>(
-      smem_raw + ((1024 - (ptx::smem_address(smem_raw) & 1023)) & 1023));
+  Storage& smem = *reinterpret_cast<Storage*>(ptx::align_shared_1024(smem_raw));
 
   constexpr uint32_t kQueryBytes = 2 * kTileRows * kHalfDim * sizeof(Element);
   constexpr uint32_t kKeyBytes = 2 * kBlockSize * kHalfDim * sizeof(Element);

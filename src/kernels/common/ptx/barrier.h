@@ -13,6 +13,13 @@ __device__ __forceinline__ uint32_t smem_address(const void* pointer) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(pointer));
 }
 
+// The first 1024-byte aligned byte of dynamic shared memory (128-byte swizzled tiles and their
+// descriptors need 1024-byte atoms). Pointer arithmetic on the __shared__ array itself, not an
+// integer round trip, so the compiler keeps the shared address space (LDS/STS, not generic).
+__device__ __forceinline__ unsigned char* align_shared_1024(unsigned char* raw) {
+  return raw + ((1024 - (smem_address(raw) & 1023)) & 1023);
+}
+
 __device__ __forceinline__ void mbarrier_init(uint64_t* barrier, uint32_t arrivals) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_address(barrier)), "r"(arrivals));
 }
