@@ -63,6 +63,11 @@ __device__ __forceinline__ float2 warp_logsumexp_parts(float x0, float x1) {
   return make_float2(top, sum);
 }
 
+// The log-sum-exp from warp_logsumexp_parts' (max, sum): −inf when no lane held a value.
+__device__ __forceinline__ float logsumexp_of(float2 parts) {
+  return parts.y > 0.f ? parts.x + logf(parts.y) : kNegInf;
+}
+
 template <typename Element>
 __global__ void __launch_bounds__(256, 3) sparse_forward_combine(const CombineArgs<Element> args) {
   // One warp per (row, proxy head): the row's selection, its validity masks and the proxy LSE are
@@ -91,8 +96,7 @@ __global__ void __launch_bounds__(256, 3) sparse_forward_combine(const CombineAr
     const float2 proxy = warp_logsumexp_parts(valid0 ? proxy_row[lane] : kNegInf,
                                               valid1 ? proxy_row[lane + 32] : kNegInf);
     if (lane == 0) {
-      args.proxy_lse[(b * args.num_proxy_heads + proxy_head) * args.seqlen + i] =
-          proxy.y > 0.f ? proxy.x + logf(proxy.y) : kNegInf;
+      args.proxy_lse[(b * args.num_proxy_heads + proxy_head) * args.seqlen + i] = logsumexp_of(proxy);
     }
   }
 
@@ -168,7 +172,7 @@ __global__ void __launch_bounds__(256, 3) sparse_forward_combine(const CombineAr
     packed.high = ptx::pack2<Element>(half ? acc[6] : acc[2], half ? acc[7] : acc[3]);
     *reinterpret_cast<Half4*>(args.out.row(b, i, head) + (lane % 16) * 8 + half * 4) = packed;
     if (lane == 0) {
-      args.lse[(b * args.num_heads + head) * args.seqlen + i] = parts.y > 0.f ? parts.x + logf(parts.y) : kNegInf;
+      args.lse[(b * args.num_heads + head) * args.seqlen + i] = logsumexp_of(parts);
     }
   }
 }
