@@ -298,14 +298,39 @@ void expect_gradients(const KernelGradients& g, const reference::Gradients& exac
   expect_rule("dk_proxy", g.dk_proxy, exact.dk_proxy, rounded.dk_proxy, proxy_floor);
 }
 
-void check_case(const BackwardCase& c, uint64_t seed) {
+// Runs the backward once, directly on the legacy stream or captured into a CUDA graph on a
+// non-blocking stream and replayed (the outputs stay poisoned until the replay).
+void run_backward(const BackwardParams& params, bool via_graph) {
+  if (!via_graph) {
+    const Status status = backward(params, nullptr);
+    ASSERT_TRUE(status.ok()) << status.message;
+    FLASHMSA_CUDA_CHECK(cudaDeviceSynchronize());
+    return;
+  }
+  FLASHMSA_CUDA_CHECK(cudaDeviceSynchronize());  // the poisoning memsets ran on the legacy stream
+  cudaStream_t stream;
+  FLASHMSA_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  cudaGraph_t graph;
+  FLASHMSA_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  const Status status = backward(params, stream);
+  FLASHMSA_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  ASSERT_TRUE(status.ok()) << status.message;
+  cudaGraphExec_t exec;
+  FLASHMSA_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  FLASHMSA_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+  FLASHMSA_CUDA_CHECK(cudaStreamSynchronize(stream));
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+}
+
+void check_case(const BackwardCase& c, uint64_t seed, bool via_graph = false) {
   const ProblemShape s = shape_of(c);
   const HostProblem host = make_host_problem(c, seed);
   DeviceProblem d;
   make_device_problem(c, host, /*deterministic=*/false, d);
-  const Status status = backward(d.params, nullptr);
-  ASSERT_TRUE(status.ok()) << status.message;
-  FLASHMSA_CUDA_CHECK(cudaDeviceSynchronize());
+  run_backward(d.params, via_graph);
+  if (::testing::Test::HasFatalFailure()) return;
   const KernelGradients g = download_gradients(c, d);
 
   reference::QueryRows rows;
@@ -481,6 +506,17 @@ INSTANTIATE_TEST_SUITE_P(Cases, BackwardMatchesReference, ::testing::ValuesIn(co
 TEST(BackwardChunks, NamedCaseSpansTwoChunks) {
   for (const BackwardCase& c : correctness_cases()) {
     if (c.name == "two_chunks_h64_k64") EXPECT_EQ(kernels::schedule::num_chunks(shape_of(c)), 2);
+  }
+}
+// The same case captured into a CUDA graph on a non-blocking stream and replayed: the per-chunk
+// launches of the tile and proxy-gradient kernels, and the finish after them, as one graph.
+TEST(BackwardChunks, TwoChunksReplayedFromAGraph) {
+  FLASHMSA_REQUIRE_HOPPER();
+  for (const BackwardCase& c : correctness_cases()) {
+    if (c.name != "two_chunks_h64_k64") continue;
+    const uint64_t seed = testing::test_seed(c.name + "_graph");
+    FLASHMSA_SEED_TRACE(seed);
+    check_case(c, seed, /*via_graph=*/true);
   }
 }
 INSTANTIATE_TEST_SUITE_P(Random, BackwardMatchesReference, ::testing::ValuesIn(random_cases()), case_name);
