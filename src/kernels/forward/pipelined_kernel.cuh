@@ -10,10 +10,11 @@
 //   producer   warpgroup 0. Per tile: writes the tile's (row, slot) list to the stage's metadata
 //              and issues cp.async gathers of the Q rows (token-major, the M heads of a token
 //              adjacent) and the proxy query rows into stage t % stages (3 stages where shared
-//              memory allows); it never waits for its copies: each thread's copies arrive on the
-//              stage's barrier when they land (cp.async.mbarrier.arrive.noinc). When the list key
-//              changes it first waits for the previous tile to finish, then loads K, V and the
-//              proxy keys. Tile descriptors are read two tiles ahead, entries one tile ahead.
+//              memory allows); a stage is released one tile late: once tile t's copies are
+//              issued, each thread waits for its copies of tile t − 1 (cp.async.wait_group 1) and
+//              arrives on that stage's barrier. When the list key changes it first waits for the
+//              previous tile to finish, then loads K, V and the proxy keys. Tile descriptors are
+//              read two tiles ahead, entries one tile ahead.
 //   consumers  warpgroups 1-2, 64 query rows each:
 //              S = Q·Kᵀ      wgmma m64n128k16, both operands from shared memory (8 k-steps)
 //              proxy         meanwhile, on alternate tiles, one warpgroup's 4 warps score the proxy
@@ -26,9 +27,9 @@
 //
 // NOTES: every copy is a 16-byte cp.async written with the 128-byte swizzle the wgmma descriptors
 // expect (16-byte chunk index XOR row % 8 inside 1024-byte atoms), so any strides and any head
-// map work, and keys past S are zero-filled. Consumers fence the async proxy after the stage's
-// barrier, since wgmma reads shared memory through the async proxy and cp.async writes it
-// through the generic one.
+// map work, and keys past S are zero-filled. The producer fences the async proxy before it arrives
+// on a stage's barrier, since wgmma reads shared memory through the async proxy and cp.async
+// writes it through the generic one.
 #pragma once
 
 #include <cuda_bf16.h>

@@ -23,12 +23,6 @@ __device__ __forceinline__ void cp_async_16(void* shared, const void* global, bo
                : "memory");
 }
 
-// Makes `barrier` receive one arrival once every cp.async this thread issued so far has landed; the
-// arrival counts toward the barrier's expected count (.noinc). The thread does not wait.
-__device__ __forceinline__ void cp_async_arrive_noinc(uint64_t* barrier) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_address(barrier)) : "memory");
-}
-
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 
 // Waits until at most `kPending` committed groups of this thread are still in flight.
