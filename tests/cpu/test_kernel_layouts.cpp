@@ -90,20 +90,24 @@ TEST(PipelinedBackwardLayout, DqStagingIsTokenMajorWithoutOverlapOrBankConflicts
   for (int m : {2, 4, 8, 16}) {
     const int tokens = 4 * (16 / m);
     // Every step row lands at its token's run, in head order, inside the staging, and no two rows
-    // overlap.
-    std::vector<std::pair<uint32_t, int>> starts;
-    for (int n = 0; n < bw::kStepRows; ++n) {
-      const int token = bw::step_row_token(n, m);
-      const int head = bw::step_row_head(n, m);
-      ASSERT_LT(token, tokens) << "M = " << m << ", row " << n;
-      const uint32_t offset = bw::dq_stage_row_offset(n, m);
-      EXPECT_EQ(offset, bw::dq_stage_token_offset(token, m) + uint32_t(head) * bw::kDqStageRowBytes);
-      EXPECT_LE(offset + bw::kDqStageRowBytes, bw::kDqStageBytes) << "M = " << m << ", row " << n;
-      starts.emplace_back(offset, n);
-    }
-    std::sort(starts.begin(), starts.end());
-    for (size_t i = 1; i < starts.size(); ++i) {
-      EXPECT_GE(starts[i].first, starts[i - 1].first + bw::kDqStageRowBytes) << "M = " << m;
+    // overlap: fp32 rows and the scaled fp16 rows of bf16 inputs.
+    for (const uint32_t row_bytes : {bw::kDqStageRowBytes, bw::kDqStageRowBytes16}) {
+      EXPECT_EQ(row_bytes % 16, 0u);
+      std::vector<std::pair<uint32_t, int>> starts;
+      for (int n = 0; n < bw::kStepRows; ++n) {
+        const int token = bw::step_row_token(n, m);
+        const int head = bw::step_row_head(n, m);
+        ASSERT_LT(token, tokens) << "M = " << m << ", row " << n;
+        const uint32_t offset = bw::dq_stage_row_offset(n, m, row_bytes);
+        EXPECT_EQ(offset, bw::dq_stage_token_offset(token, m, row_bytes) + uint32_t(head) * row_bytes);
+        EXPECT_EQ(offset % 16, 0u) << "M = " << m << ", row " << n;
+        EXPECT_LE(offset + row_bytes, bw::kDqStageBytes) << "M = " << m << ", row " << n;
+        starts.emplace_back(offset, n);
+      }
+      std::sort(starts.begin(), starts.end());
+      for (size_t i = 1; i < starts.size(); ++i) {
+        EXPECT_GE(starts[i].first, starts[i - 1].first + row_bytes) << "M = " << m << ", row bytes " << row_bytes;
+      }
     }
     // One accumulator store (fixed warp, h and column) touches rows warp·16 + 8h + r, r < 8, 32 bytes
     // each: at most two rows may share a 32-byte bank group, so the store takes two wavefronts.

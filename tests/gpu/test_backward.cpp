@@ -57,6 +57,8 @@ struct BackwardCase {
   bool with_kl_value = true;   // fwd.kl non-null
   int sample = 0;              // 0: every row and block; else rows/blocks checked per batch
   int64_t first_checked_row = 0;  // > 0: `sample` rows from here on and the last block only
+  double dout_scale = 1.0;     // dO times this power of two (gradient scales far from 1)
+  double kv_scale = 1.0;       // K and V times this power of two
 };
 
 void PrintTo(const BackwardCase& c, std::ostream* os) { *os << c.name; }
@@ -179,7 +181,12 @@ HostProblem make_host_problem(const BackwardCase& c, uint64_t seed) {
   const ProblemShape s = shape_of(c);
   host.in = reference::random_inputs(s, seed, c.dtype);
   host.block_idx = patterns::make_selection(s, c.pattern, seed ^ 0x5eed);
+  // Powers of two, so the scaled values are still exact in the input dtype.
+  for (std::vector<double>* values : {&host.in.k, &host.in.v}) {
+    for (double& x : *values) x *= c.kv_scale;
+  }
   host.dout = random_dout(s, seed ^ 0xd0, c.dtype);
+  for (double& x : host.dout) x *= c.dout_scale;
   host.kl_grad = c.with_kl_grad ? 0.75 + double(seed % 7) * 0.125 : 0.0;
   host.saved = parallel_forward(host.in, host.block_idx, Precision::kFP64);
   return host;
@@ -395,6 +402,13 @@ std::vector<BackwardCase> correctness_cases() {
   // Two query chunks (64 heads × K = 64 make 4096-row chunks; 41 × 100 rows, the boundary inside
   // batch 40): the backward runs its tile and proxy-gradient kernels chunk by chunk.
   list.push_back({"two_chunks_h64_k64", 41, 100, 64, 4, 4, 1, 64});
+  // Gradient scales far from 1, which the scaled fp16 dQ sums of bf16 inputs must follow: dO at
+  // 2^-40 (below fp16's whole range), and K, V at 8 with dO at 2^24 (dQ far above fp16's maximum).
+  list.push_back({"tiny_dout_bf16", 1, 640, 16, 2, 2, 1, 4});
+  list.back().dout_scale = std::ldexp(1.0, -40);
+  list.push_back({"large_kv_dout_bf16", 1, 640, 16, 2, 2, 1, 4});
+  list.back().kv_scale = 8.0;
+  list.back().dout_scale = std::ldexp(1.0, 24);
   return list;
 }
 

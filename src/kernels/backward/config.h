@@ -190,20 +190,28 @@ static_assert(kDqProxyStageStride * 4 % 16 == 0, "bulk copies need 16-byte align
 constexpr uint32_t pipelined_stage_bytes(bool kl_only, int m) {
   return uint32_t(2 * kStepRows + proxy_columns(m, step_rows(kl_only, m))) * kHeadDim * 2;
 }
-// dQ staging inside a consumed stage: the step's 64 rows in fp32, whole 512-byte rows (both consumer
-// warpgroups' 64 dims), token-major with a token's M heads in head order, exactly as dq_accum holds
-// them, so one bulk reduce-add per token moves M × 512 contiguous bytes. The tokens of step quad q
-// (row_quad) start 32·q bytes later: the 8 rows one accumulator store touches are 4 tokens of
-// different quads × 2 heads, so they start at 4 distinct offsets modulo 128 bytes (two wavefronts
-// per store, the minimum for 256 bytes).
+// dQ staging inside a consumed stage: the step's 64 rows as whole rows of both consumer
+// warpgroups' 64 dims (fp32, 512 bytes; scaled fp16, 256 bytes, for bf16 inputs: kDqHalfRows),
+// token-major with a token's M heads in head order, exactly as dq_accum holds them, so one bulk
+// reduce-add per token moves M rows of contiguous bytes. The tokens of step quad q (row_quad) start
+// 32·q bytes later: the 8 rows one accumulator store touches are 4 tokens of different quads × 2
+// heads, so they start at 4 distinct offsets modulo 128 bytes (two wavefronts per store).
 constexpr uint32_t kDqStageRowBytes = kHeadDim * 4;
+constexpr uint32_t kDqStageRowBytes16 = kHeadDim * 2;
 constexpr uint32_t kDqQuadPad = 32;
-constexpr uint32_t dq_stage_token_offset(int token, int m) {
-  return uint32_t(token) * uint32_t(m) * kDqStageRowBytes + uint32_t(token / step_tokens_per_quad(m)) * kDqQuadPad;
+constexpr uint32_t dq_stage_token_offset(int token, int m, uint32_t row_bytes = kDqStageRowBytes) {
+  return uint32_t(token) * uint32_t(m) * row_bytes + uint32_t(token / step_tokens_per_quad(m)) * kDqQuadPad;
 }
-constexpr uint32_t dq_stage_row_offset(int n, int m) {
-  return dq_stage_token_offset(step_row_token(n, m), m) + uint32_t(step_row_head(n, m)) * kDqStageRowBytes;
+constexpr uint32_t dq_stage_row_offset(int n, int m, uint32_t row_bytes = kDqStageRowBytes) {
+  return dq_stage_token_offset(step_row_token(n, m), m, row_bytes) + uint32_t(step_row_head(n, m)) * row_bytes;
 }
+// The scaled fp16 dQ sums (bf16 inputs on the wgmma kernel; docs/design.md "Backward"): every
+// contribution to row (b, i, h) is multiplied by dq_scale[b, h, i] = 2^(kDqScaleTarget − ⌈log2 B⌉)
+// before it is rounded to fp16 and reduce-added, where B = 2σ·‖dO_i‖₂·max_j ‖V_j‖₂·max |K| bounds
+// |dQ| and every partial sum of it, so the sums stay far inside fp16's range (≤ 2^13 of 65504) and
+// its normal range reaches 27 binary orders of magnitude below the bound.
+constexpr int kDqScaleTarget = 13;
+constexpr int kDqScaleExponentLimit = 100;  // |⌈log2 B⌉| clamp, so the scale stays a normal fp32
 constexpr uint32_t kDqStageBytes = kStepRows * kDqStageRowBytes + 3 * kDqQuadPad;
 static_assert(kDqStageBytes <= pipelined_stage_bytes(false, 16), "dQ staging must fit in the smallest stage");
 
@@ -212,6 +220,7 @@ template <int kRows>
 struct StepMetaOf {
   float lse[kRows];              // LSE · log2(e) per step row; +inf for padding rows (P = 0)
   float delta[kRows];            // Δ per step row
+  float dq_scale[kRows];         // dq_scale per step row (scaled fp16 dQ sums; else unused)
   int32_t token[kMaxStepTokens]; // query position per step token; -1 for padding
   int32_t slot[kMaxStepTokens];
   float proxy_lse[kMaxStepTokens];  // proxy LSE · log2(e); +inf for padding
@@ -314,7 +323,10 @@ struct WorkspaceLayout {
   size_t item_counter = 0;  // int32 [1]: the CTAs' shared work-item counter
   size_t entries = 0;       // int32 [b, hp, s, k] upper bound: token << 6 | slot, sorted by token
   size_t delta = 0;         // fp32 [b, h, s]: Δ = ⟨O, dO⟩
-  size_t dq_accum = 0;      // fp32 [b, s, h, d]; deterministic: [b, hp, s, k, m, d] per slot
+  size_t dq_scale = 0;      // fp32 [b, h, s]: the scaled fp16 dQ sums' row scales (config above)
+  size_t kv_bound = 0;      // fp32 [2]: max_j ‖V_j‖₂ and max |K|, for dq_scale
+  size_t dq_accum = 0;      // fp32 [b, s, h, d] (scaled fp16 sums: the first half);
+                            // deterministic: [b, hp, s, k, m, d] per slot
   size_t dq_proxy_accum = 0;  // fp32 [b, s, hp, di]; deterministic: [b, hp, s, k, di] per slot
   size_t dk_accum = 0;      // fp32 [b, s, hkv, d]
   size_t dv_accum = 0;      // fp32 [b, s, hkv, d]
@@ -353,6 +365,8 @@ inline WorkspaceLayout workspace_layout(const ProblemShape& shape, bool determin
   layout.item_counter = take(4);
   layout.entries = take(4 * slots);
   layout.delta = take(4 * tokens * size_t(shape.num_heads));
+  layout.dq_scale = take(4 * tokens * size_t(shape.num_heads));
+  layout.kv_bound = take(4 * 2);
   if (deterministic) {
     layout.dq_accum = take(4 * slots * size_t(shape.heads_per_proxy()) * dim);
     layout.dq_proxy_accum = take(4 * slots * proxy_dim);

@@ -566,11 +566,33 @@ __global__ void __launch_bounds__(kThreads) finish_query_grads_kernel(const Prob
     at.advance(1, heads, shape.seqlen);
   }
   float acc[kFinishRowsPerWarp][4];
+  if (pb.dq_half) {
+    // The main heads' rows are scaled fp16 sums (config.h, kDqScaleTarget): 8-byte loads, and the
+    // row's scale divided out of the factor.
+    uint2 half_bits[kFinishRowsPerWarp];
 #pragma unroll
-  for (int u = 0; u < kFinishRowsPerWarp; ++u) {
+    for (int u = 0; u < kFinishRowsPerWarp; ++u) {
+      half_bits[u] = make_uint2(0u, 0u);
+      if (source[u] != nullptr && row_head[u] < shape.num_heads) {
+        const int64_t row = source[u] - pb.ws.dq_accum - dim;  // (b·S + i)·H + h, times kHeadDim
+        half_bits[u] = *reinterpret_cast<const uint2*>(reinterpret_cast<const __half*>(pb.ws.dq_accum) + row + dim);
+        factor[u] /= pb.ws.dq_scale[(row_batch[u] * shape.num_heads + row_head[u]) * shape.seqlen + row_token[u]];
+      }
+    }
 #pragma unroll
-    for (int e = 0; e < 4; ++e) acc[u][e] = 0.f;
-    if (source[u] != nullptr) add4(acc[u], source[u]);
+    for (int u = 0; u < kFinishRowsPerWarp; ++u) {
+      const __half* h = reinterpret_cast<const __half*>(&half_bits[u]);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[u][e] = __half2float(h[e]);
+      if (source[u] != nullptr && row_head[u] >= shape.num_heads) add4(acc[u], source[u]);
+    }
+  } else {
+#pragma unroll
+    for (int u = 0; u < kFinishRowsPerWarp; ++u) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[u][e] = 0.f;
+      if (source[u] != nullptr) add4(acc[u], source[u]);
+    }
   }
   if (deterministic) {
 #pragma unroll
@@ -647,6 +669,8 @@ inline Problem make_problem(const BackwardParams& params) {
   pb.ws.item_counter = reinterpret_cast<int32_t*>(base + layout.item_counter);
   pb.ws.entries = reinterpret_cast<int32_t*>(base + layout.entries);
   pb.ws.delta = reinterpret_cast<float*>(base + layout.delta);
+  pb.ws.dq_scale = reinterpret_cast<float*>(base + layout.dq_scale);
+  pb.ws.kv_bound = reinterpret_cast<float*>(base + layout.kv_bound);
   pb.ws.dq_accum = reinterpret_cast<float*>(base + layout.dq_accum);
   pb.ws.dq_proxy_accum = reinterpret_cast<float*>(base + layout.dq_proxy_accum);
   pb.ws.dk_accum = reinterpret_cast<float*>(base + layout.dk_accum);
@@ -667,6 +691,7 @@ inline Problem make_problem(const BackwardParams& params) {
   pb.proxy_per_kv_head = shape.num_proxy_heads / shape.num_kv_heads;
   pb.tiles_per_item = params.deterministic ? (1 << 30) : kTilesPerItem;
   pb.with_kl = params.kl_grad != nullptr || params.fwd.kl != nullptr;
+  pb.dq_half = params.fwd.dtype == DType::kBF16 && pipelined_supported(pb.heads_per_proxy, params.deterministic);
   return pb;
 }
 
@@ -691,12 +716,28 @@ Status run_backward(const BackwardParams& params, cudaStream_t stream) {
   // ---- zero the accumulators: one range of the layout ---------------------------------------------
   // [dq_accum, dk_accum) holds dQ and dq_proxy (per-slot buffers, fully written, in deterministic
   // mode); [dk_accum, dk_proxy_accum) dK and dV; [dk_proxy_accum, kl_sums) dk_proxy and the KL terms.
-  const size_t zero_begin = params.deterministic ? layout.dk_accum : layout.dq_accum;
+  // With the scaled fp16 dQ sums, [kv_bound, the first half of dq_accum) and then the rest.
   const size_t zero_end = pb.with_kl ? layout.kl_sums : layout.dk_proxy_accum;
-  FLASHMSA_BACKWARD_CHECK(cudaMemsetAsync(base + zero_begin, 0, zero_end - zero_begin, stream), "memset");
+  if (pb.dq_half) {
+    const size_t dq_half_end = layout.dq_accum + (layout.dq_proxy_accum - layout.dq_accum) / 2;
+    FLASHMSA_BACKWARD_CHECK(cudaMemsetAsync(base + layout.kv_bound, 0, dq_half_end - layout.kv_bound, stream), "memset");
+    FLASHMSA_BACKWARD_CHECK(cudaMemsetAsync(base + layout.dq_proxy_accum, 0, zero_end - layout.dq_proxy_accum, stream),
+                            "memset");
+  } else {
+    const size_t zero_begin = params.deterministic ? layout.dk_accum : layout.dq_accum;
+    FLASHMSA_BACKWARD_CHECK(cudaMemsetAsync(base + zero_begin, 0, zero_end - zero_begin, stream), "memset");
+  }
 
-  // ---- Δ and the reverse index ------------------------------------------------------------------
-  FLASHMSA_BACKWARD_CHECK(launch_delta<T>(params, pb.ws.delta, stream), "delta");
+  // ---- Δ (and the dQ row scales) and the reverse index ------------------------------------------
+  DqScaleArgs scale_args;
+  if (pb.dq_half) {
+    scale_args.scale = pb.ws.dq_scale;
+    scale_args.kv_bound = pb.ws.kv_bound;
+    scale_args.factor = 2.f * pb.softmax_scale;
+    scale_args.target = kDqScaleTarget;
+    scale_args.exponent_limit = kDqScaleExponentLimit;
+  }
+  FLASHMSA_BACKWARD_CHECK(launch_delta<T>(params, pb.ws.delta, stream, scale_args), "delta");
 
   if (pipelined_supported(pb.heads_per_proxy, params.deterministic)) {
     // The wgmma kernel walks the forward's schedule: no reverse index of its own.

@@ -54,6 +54,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include "flashmsa/api.h"
 #include "kernels/backward/config.h"
@@ -83,6 +84,7 @@ struct PipelinedArgs {
   const float* lse;        // [b, h, s]
   const float* proxy_lse;  // [b, hp, s]
   const float* delta;      // [b, h, s]
+  const float* dq_scale;   // [b, h, s]: the scaled fp16 dQ sums' row scales (bf16 inputs)
   const uint4* tiles;
   const uint32_t* tile_offsets;
   const uint32_t* entries[2];
@@ -163,6 +165,9 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
   constexpr int kFlush = flush_tokens(kKlOnly);  // tokens staged per proxy-gradient flush
   constexpr int kStages = pipelined_stages(kKlOnly, kM);
   constexpr int kProducerRegisters = kKlOnly ? kKlOnlyProducerRegisters : pipelined_producer_registers(kM);
+  // bf16 inputs sum dQ in scaled fp16 (config.h, kDqScaleTarget); fp16 inputs, whose reference is
+  // 8× tighter, in fp32.
+  constexpr bool kDqHalf = !kKlOnly && std::is_same<Element, __nv_bfloat16>::value;
   using Mma128 = ptx::Wgmma64x128x16<Element>;
 
   extern __shared__ unsigned char smem_raw[];
@@ -312,11 +317,13 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
         }
         float lse = __builtin_huge_valf();
         float delta = 0.f;
+        float dq_scale = 1.f;
         if (row_token_pos >= 0) {
           const int64_t at =
               (int64_t(key.b) * args.num_heads + key.proxy_head * kM + row_head[thread]) * args.seqlen + row_token_pos;
           lse = args.lse[at];
           if constexpr (!kKlOnly) delta = args.delta[at];
+          if constexpr (kDqHalf) dq_scale = args.dq_scale[at];
         }
         // The previous step is released as soon as its copies land, before this step waits for its
         // stage: with two stages, waiting for the stage first would make the consumers wait for this
@@ -410,6 +417,7 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
         if (thread < kRows) {
           m.lse[thread] = lse * kLog2e;
           m.delta[thread] = delta;
+          if constexpr (kDqHalf) m.dq_scale[thread] = dq_scale;
         }
         if (k + 1 < steps) {
           load_entries(tile, k + 1, &token_entry, &row_entry);
@@ -453,8 +461,9 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
   // Lanes that issue bulk reduce-adds: dQ of a step's tokens (sparse), dq_proxy of the staged ones.
   constexpr int kBulkIssueLanes = kKlOnly ? kFlush / 8 : kDqIssueLanes;
   // This thread's two accumulator rows (warp·16 + lane/4 + 8h) in the dQ staging.
-  const uint32_t dq_row_offset[2] = {dq_stage_row_offset(warp * 16 + lane / 4, kM),
-                                     dq_stage_row_offset(warp * 16 + lane / 4 + 8, kM)};
+  constexpr uint32_t kDqRowBytes = kDqHalf ? kDqStageRowBytes16 : kDqStageRowBytes;
+  const uint32_t dq_row_offset[2] = {dq_stage_row_offset(warp * 16 + lane / 4, kM, kDqRowBytes),
+                                     dq_stage_row_offset(warp * 16 + lane / 4 + 8, kM, kDqRowBytes)};
 
   // The accumulators are never zeroed: a unit's (KL-only: a list's) first product overwrites them
   // (scale-d 0), so no flush leaves a register copy behind.
@@ -828,15 +837,26 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
       ptx::wgmma_wait_group<0>();
       ptx::fence_accumulators(dq);
       // dQ through the consumed stage: both warpgroups store their 64 dims of every row into the
-      // token-major staging (dq_stage_row_offset), then token t is reduce-added, M × 512 contiguous
-      // bytes, by lane t / 8 of consumer warp t % 8. The stage is released once those reads are done.
+      // token-major staging (dq_stage_row_offset), then token t is reduce-added, M contiguous rows,
+      // by lane t / 8 of consumer warp t % 8. The stage is released once those reads are done. For
+      // bf16 inputs the rows are fp16 of dQ times the row's scale (config.h, kDqScaleTarget).
       unsigned char* dq_stage = reinterpret_cast<unsigned char*>(q_stages + s * kStageElements);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        float* row = reinterpret_cast<float*>(dq_stage + dq_row_offset[h]) + consumer * 64 + 2 * quad;
+        if constexpr (kDqHalf) {
+          const float row_scale = m.dq_scale[warp * 16 + lane / 4 + 8 * h];
+          __half* row = reinterpret_cast<__half*>(dq_stage + dq_row_offset[h]) + consumer * 64 + 2 * quad;
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          *reinterpret_cast<float2*>(row + 8 * j) = make_float2(dq[4 * j + 2 * h], dq[4 * j + 2 * h + 1]);
+          for (int j = 0; j < 8; ++j) {
+            *reinterpret_cast<__half2*>(row + 8 * j) =
+                __floats2half2_rn(dq[4 * j + 2 * h] * row_scale, dq[4 * j + 2 * h + 1] * row_scale);
+          }
+        } else {
+          float* row = reinterpret_cast<float*>(dq_stage + dq_row_offset[h]) + consumer * 64 + 2 * quad;
+#pragma unroll
+          for (int j = 0; j < 8; ++j) {
+            *reinterpret_cast<float2*>(row + 8 * j) = make_float2(dq[4 * j + 2 * h], dq[4 * j + 2 * h + 1]);
+          }
         }
       }
       ptx::fence_proxy_async_shared();
@@ -844,9 +864,14 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
       if (lane < kDqIssueLanes) {
         const int local = (consumer * 4 + warp) + 8 * lane;
         if (local < count) {
-          float* rows = args.dq_accum +
-                        ((int64_t(key.b) * args.seqlen + m.token[local]) * args.num_heads + key.proxy_head * kM) * kHeadDim;
-          ptx::bulk_reduce_add_f32(rows, dq_stage + dq_stage_token_offset(local, kM), kM * kDqStageRowBytes);
+          const int64_t first_row =
+              ((int64_t(key.b) * args.seqlen + m.token[local]) * args.num_heads + key.proxy_head * kM) * kHeadDim;
+          const unsigned char* staged_rows = dq_stage + dq_stage_token_offset(local, kM, kDqRowBytes);
+          if constexpr (kDqHalf) {
+            ptx::bulk_reduce_add_f16(reinterpret_cast<__half*>(args.dq_accum) + first_row, staged_rows, kM * kDqRowBytes);
+          } else {
+            ptx::bulk_reduce_add_f32(args.dq_accum + first_row, staged_rows, kM * kDqRowBytes);
+          }
         }
         ptx::bulk_commit_group();
       }
@@ -979,6 +1004,7 @@ Status run_pipelined_tiles(const Problem& pb, cudaStream_t stream) {
   args.lse = params.fwd.lse;
   args.proxy_lse = params.fwd.proxy_lse;
   args.delta = pb.ws.delta;
+  args.dq_scale = pb.ws.dq_scale;
   args.tiles = reinterpret_cast<const uint4*>(schedule_base + schedule_layout.tiles);
   args.tile_offsets = reinterpret_cast<const uint32_t*>(schedule_base + schedule_layout.tile_offsets);
   for (int i = 0; i < 2; ++i) {

@@ -35,6 +35,8 @@ struct Workspace {
   int32_t* item_counter;
   int32_t* entries;
   float* delta;
+  float* dq_scale;
+  float* kv_bound;
   float* dq_accum;
   float* dq_proxy_accum;
   float* dk_accum;
@@ -61,6 +63,7 @@ struct Problem {
   int proxy_per_kv_head;    // Hp / Hkv
   int tiles_per_item;       // kTilesPerItem, or "unbounded" in deterministic mode
   bool with_kl;             // KL gradient or value requested
+  bool dq_half;             // dq_accum holds scaled fp16 sums (bf16 inputs on the wgmma kernel)
 };
 
 // Slot `slot` of a block_idx row counts when it names a visible block not named by an earlier

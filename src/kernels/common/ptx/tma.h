@@ -40,6 +40,14 @@ __device__ __forceinline__ void bulk_reduce_add_f32(float* destination, const vo
                : "memory");
 }
 
+// global[i] += shared[i] for `bytes` / 2 fp16 values (same alignment rules), rounded to fp16 at
+// every add, subnormals kept.
+__device__ __forceinline__ void bulk_reduce_add_f16(void* destination, const void* source, uint32_t bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.noftz.f16 [%0], [%1], %2;" ::"l"(destination),
+               "r"(smem_address(source)), "r"(bytes)
+               : "memory");
+}
+
 __device__ __forceinline__ void bulk_commit_group() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
 
 // Waits until at most N of this thread's bulk groups still read their shared-memory sources.
