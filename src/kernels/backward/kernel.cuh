@@ -574,8 +574,8 @@ __global__ void __launch_bounds__(kThreads) finish_query_grads_kernel(const Prob
     for (int u = 0; u < kFinishRowsPerWarp; ++u) {
       half_bits[u] = make_uint2(0u, 0u);
       if (source[u] != nullptr && row_head[u] < shape.num_heads) {
-        const int64_t row = source[u] - pb.ws.dq_accum - dim;  // (b·S + i)·H + h, times kHeadDim
-        half_bits[u] = *reinterpret_cast<const uint2*>(reinterpret_cast<const __half*>(pb.ws.dq_accum) + row + dim);
+        const int64_t element = source[u] - pb.ws.dq_accum;  // ((b·S + i)·H + h)·D + this lane's dims
+        half_bits[u] = *reinterpret_cast<const uint2*>(reinterpret_cast<const __half*>(pb.ws.dq_accum) + element);
         factor[u] /= pb.ws.dq_scale[(row_batch[u] * shape.num_heads + row_head[u]) * shape.seqlen + row_token[u]];
       }
     }
