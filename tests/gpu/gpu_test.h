@@ -33,6 +33,30 @@ inline uint64_t test_seed(const std::string& salt) {
   return std::hash<std::string>{}(salt) ^ fresh;
 }
 
+// Runs `work` once as a CUDA graph: synchronizes the device (a non-blocking stream does not wait
+// for work still queued on the legacy stream, e.g. poisoning memsets), captures `work` on a
+// non-blocking stream, replays the graph and waits for it. Returns the status `work` returned
+// while captured; nothing is replayed unless it is ok.
+inline Status run_as_graph(const std::function<Status(cudaStream_t)>& work) {
+  FLASHMSA_CUDA_CHECK(cudaDeviceSynchronize());
+  cudaStream_t stream;
+  FLASHMSA_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  cudaGraph_t graph;
+  FLASHMSA_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  const Status status = work(stream);
+  FLASHMSA_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  if (status.ok()) {
+    cudaGraphExec_t exec;
+    FLASHMSA_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    FLASHMSA_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    FLASHMSA_CUDA_CHECK(cudaStreamSynchronize(stream));
+    cudaGraphExecDestroy(exec);
+  }
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+  return status;
+}
+
 }  // namespace flashmsa::testing
 
 #define FLASHMSA_SEED_TRACE(seed) \

@@ -308,27 +308,10 @@ void expect_gradients(const KernelGradients& g, const reference::Gradients& exac
 // Runs the backward once, directly on the legacy stream or captured into a CUDA graph on a
 // non-blocking stream and replayed (the outputs stay poisoned until the replay).
 void run_backward(const BackwardParams& params, bool via_graph) {
-  if (!via_graph) {
-    const Status status = backward(params, nullptr);
-    ASSERT_TRUE(status.ok()) << status.message;
-    FLASHMSA_CUDA_CHECK(cudaDeviceSynchronize());
-    return;
-  }
-  FLASHMSA_CUDA_CHECK(cudaDeviceSynchronize());  // the poisoning memsets ran on the legacy stream
-  cudaStream_t stream;
-  FLASHMSA_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  cudaGraph_t graph;
-  FLASHMSA_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-  const Status status = backward(params, stream);
-  FLASHMSA_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  const Status status = via_graph ? testing::run_as_graph([&](cudaStream_t stream) { return backward(params, stream); })
+                                  : backward(params, nullptr);
   ASSERT_TRUE(status.ok()) << status.message;
-  cudaGraphExec_t exec;
-  FLASHMSA_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  FLASHMSA_CUDA_CHECK(cudaGraphLaunch(exec, stream));
-  FLASHMSA_CUDA_CHECK(cudaStreamSynchronize(stream));
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
-  cudaStreamDestroy(stream);
+  FLASHMSA_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
 void check_case(const BackwardCase& c, uint64_t seed, bool via_graph = false) {

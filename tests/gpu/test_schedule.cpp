@@ -129,26 +129,12 @@ TEST_P(ScheduleTest, MatchesHostInversion) {
   FLASHMSA_CUDA_CHECK(cudaDeviceSynchronize());
   expect_schedule(shape, block_idx, read_schedule(workspace, layout));
 
-  // The same schedule from a captured graph, over a poisoned workspace. The capture stream is
-  // non-blocking, so it does not wait for the poisoning memset on the legacy stream: synchronize
-  // first, or the memset can land on the schedule's keys while the graph runs.
+  // The same schedule from a captured graph, over a poisoned workspace (run_as_graph waits for the
+  // poisoning memset on the legacy stream before the capture stream runs).
   workspace.poison();
-  FLASHMSA_CUDA_CHECK(cudaDeviceSynchronize());
-  cudaStream_t stream;
-  FLASHMSA_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  cudaGraph_t graph;
-  FLASHMSA_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-  const Status captured = schedule(params, stream);
-  FLASHMSA_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  const Status captured = testing::run_as_graph([&](cudaStream_t stream) { return schedule(params, stream); });
   ASSERT_TRUE(captured.ok()) << captured.message;
-  cudaGraphExec_t exec;
-  FLASHMSA_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  FLASHMSA_CUDA_CHECK(cudaGraphLaunch(exec, stream));
-  FLASHMSA_CUDA_CHECK(cudaStreamSynchronize(stream));
   expect_schedule(shape, block_idx, read_schedule(workspace, layout));
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
-  cudaStreamDestroy(stream);
 }
 
 // Chunk boundaries: paper rows use 16K-row chunks (K = 16) and 4K-row chunks (K = 64), so the
