@@ -1,5 +1,6 @@
 // Pieces shared by the sparse backward (backward/) and the warmup backward (warmup/): the Δ
-// pre-pass and the factor that turns π − t into the proxy-logit gradient (SPEC.md §3-§4).
+// pre-pass (with the sparse backward's scaled fp16 dQ row scales and the K, V bound pass they
+// need) and the factor that turns π − t into the proxy-logit gradient (SPEC.md §3-§4).
 //
 // Layer 2 of the device utilities: kernels and helpers over the API's BackwardParams.
 #pragma once
@@ -49,8 +50,6 @@ struct TokenHeadCursor {
 constexpr int kDeltaThreads = 256;   // 8 warps
 constexpr int kDeltaRowsPerWarp = 8;  // 4 passes of 2 rows: a half-warp per row, 16 bytes per lane
 
-// Δ_hi = ⟨O_hi, dO_hi⟩ in fp32 into delta[b, h, s]. A warp takes 8 consecutive (b, i, h) rows and
-// issues all their 16-byte loads before the first sum.
 // The row scales of the sparse backward's scaled fp16 dQ sums (backward/config.h, kDqScaleTarget):
 // where `scale` is non-null, the Δ kernel also writes scale[b, h, i] = 2^(target − ⌈log2 B⌉) with
 // B = factor·‖dO_i‖₂·kv_bound[0]·kv_bound[1] (1 where B is 0 or not finite).
@@ -69,6 +68,8 @@ __device__ __forceinline__ float dq_row_scale(const DqScaleArgs& args, float dou
   return exp2f(float(args.target) - exponent);
 }
 
+// Δ_hi = ⟨O_hi, dO_hi⟩ in fp32 into delta[b, h, s]. A warp takes 8 consecutive (b, i, h) rows and
+// issues all their 16-byte loads before the first sum; with scale_args.scale, also the row scales.
 template <typename T>
 __global__ void __launch_bounds__(kDeltaThreads) delta_kernel(const BackwardParams params, float* delta,
                                                               const DqScaleArgs scale_args) {
