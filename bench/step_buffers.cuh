@@ -27,7 +27,7 @@ struct StepBuffers {
         kl(1), kl_grad(constant_tensor(1, 1.f)),
         schedule_workspace(mode == Mode::kSparse ? schedule_workspace_size(shape) : 0),
         forward_workspace(forward_workspace_size(shape, mode)),
-        backward_workspace(backward_workspace_size(shape, mode, false)) {
+        backward_workspace(backward_workspace_size(shape, mode, false, DType::kBF16)) {
     auto view = [&](const testing::DeviceBuffer<uint16_t>& buffer, int heads, int dim) {
       return cases::bshd(buffer.get(), shape, heads, dim);
     };

@@ -146,7 +146,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   const size_t schedule_bytes =
       params.fwd.mode == Mode::kSparse ? align_256(schedule_workspace_size(shape)) : 0;
   const at::Tensor buffers = device_buffer(
-      schedule_bytes + backward_workspace_size(shape, params.fwd.mode, deterministic), q);
+      schedule_bytes + backward_workspace_size(shape, params.fwd.mode, deterministic, params.fwd.dtype), q);
   char* base = static_cast<char*>(pointer_or_null(buffers));
   if (params.fwd.mode == Mode::kSparse) {
     build_schedule(shape, params.fwd.block_idx, base, stream, op);

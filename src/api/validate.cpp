@@ -507,7 +507,7 @@ Status validate(const BackwardParams& params) {
                                         shape.num_proxy_kv_heads, proxy_dim, dtype, Access::kWrite,
                                         &dk_proxy));
   FLASHMSA_RETURN_IF_ERROR(check_workspace(
-      params.workspace, "workspace", backward_workspace_size(shape, fwd.mode, params.deterministic),
+      params.workspace, "workspace", backward_workspace_size(shape, fwd.mode, params.deterministic, fwd.dtype),
       "backward_workspace_size", &workspace));
   FLASHMSA_RETURN_IF_ERROR(check_disjoint(
       {&dq, &dk, &dv, &dq_proxy, &dk_proxy, &kl, &workspace},

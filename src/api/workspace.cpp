@@ -23,12 +23,20 @@ size_t forward_workspace_size(const ProblemShape& shape, Mode mode) {
   return kernels::forward::make_forward_layout(shape).total;
 }
 
-// Sparse mode: the backward's reverse index, Δ and fp32 accumulators
-// (src/kernels/backward/config.h). Warmup mode: Δ, the per-proxy-head dk_proxy sums and the per-row
-// KL terms (src/kernels/warmup/config.h), the same in deterministic mode (always deterministic).
-size_t backward_workspace_size(const ProblemShape& shape, Mode mode, bool deterministic) {
+// Sparse mode: the backward's reverse index, Δ and accumulators (src/kernels/backward/config.h),
+// the dQ accumulator in fp16 where bf16 inputs take the scaled fp16 sums. Warmup mode: Δ, the
+// per-proxy-head dk_proxy sums and the per-row KL terms (src/kernels/warmup/config.h), the same in
+// deterministic mode (always deterministic).
+size_t backward_workspace_size(const ProblemShape& shape, Mode mode, bool deterministic, DType dtype) {
   if (mode == Mode::kWarmup) return kernels::warmup::workspace_layout(shape).total;
-  return kernels::backward::workspace_layout(shape, deterministic).total;
+  return kernels::backward::workspace_layout(shape, deterministic,
+                                             kernels::backward::dq_half_sums(shape, dtype, deterministic))
+      .total;
+}
+
+// The larger of the two dtypes' sizes (fp16: fp32 dQ sums).
+size_t backward_workspace_size(const ProblemShape& shape, Mode mode, bool deterministic) {
+  return backward_workspace_size(shape, mode, deterministic, DType::kFP16);
 }
 
 }  // namespace flashmsa

@@ -8,6 +8,7 @@
 #include <utility>
 #include <vector>
 
+#include "flashmsa/api.h"
 #include "kernels/backward/config.h"
 #include "kernels/forward/config.h"
 #include "cpu/shapes.h"
@@ -213,9 +214,10 @@ TEST(PipelinedBackwardLayout, StepRowsAreATokenMajorPermutation) {
 // The backward zeroes its accumulators as one range of the workspace (kernel.cuh run_backward),
 // which needs them adjacent in this order.
 TEST(BackwardWorkspaceLayout, AccumulatorsAreOneOrderedRange) {
-  for (bool deterministic : {false, true}) {
+  for (auto [deterministic, dq_half] : {std::pair{false, false}, std::pair{false, true}, std::pair{true, false}}) {
     const kernels::backward::WorkspaceLayout layout =
-        kernels::backward::workspace_layout(small_shape(2, 1000, 16, 2, 4, 1, 8, 128, 128), deterministic);
+        kernels::backward::workspace_layout(small_shape(2, 1000, 16, 2, 4, 1, 8, 128, 128), deterministic, dq_half);
+    EXPECT_LT(layout.kv_bound, layout.dq_accum);  // the fp16 sums' range starts at kv_bound
     EXPECT_LT(layout.dq_accum, layout.dq_proxy_accum);
     EXPECT_LT(layout.dq_proxy_accum, layout.dk_accum);
     EXPECT_LT(layout.dk_accum, layout.dv_accum);
@@ -240,11 +242,40 @@ TEST(ScheduleKeys, ChunksAreWholeSegments) {
 TEST(BackwardWorkspaceLayout, DealtTilesHoldEveryTile) {
   const ProblemShape shape = small_shape(2, 1000, 16, 2, 4, 1, 8, 128, 128);
   const size_t tile_bytes = 16 * size_t(kernels::schedule::make_schedule_layout(shape).max_tiles);
-  const kernels::backward::WorkspaceLayout layout = kernels::backward::workspace_layout(shape, false);
-  EXPECT_GE(layout.dealt_tiles, layout.kl_sums + 4 * size_t(kernels::backward::kKlSumBlocks));
-  EXPECT_GE(layout.total - layout.dealt_tiles, tile_bytes);
-  const kernels::backward::WorkspaceLayout det = kernels::backward::workspace_layout(shape, true);
+  for (bool dq_half : {false, true}) {
+    const kernels::backward::WorkspaceLayout layout = kernels::backward::workspace_layout(shape, false, dq_half);
+    EXPECT_GE(layout.dealt_tiles, layout.kl_sums + 4 * size_t(kernels::backward::kKlSumBlocks));
+    EXPECT_GE(layout.total - layout.dealt_tiles, tile_bytes);
+  }
+  const kernels::backward::WorkspaceLayout det = kernels::backward::workspace_layout(shape, true, false);
   EXPECT_EQ(det.dealt_tiles, size_t{0});
+}
+
+// bf16 inputs on the wgmma kernel sum dQ in fp16: the accumulator holds exactly B·S·H·D halves (the
+// finish reads them at element offsets, kernel.cuh), and the workspace shrinks by as much. Where
+// the general kernel runs (deterministic mode, M outside {2, 4, 8, 16}) or the inputs are fp16, the
+// sums stay fp32, and the dtype-free size is the larger one.
+TEST(BackwardWorkspaceLayout, HalfSumsTakeHalfTheDqBytes) {
+  auto rounded = [](size_t bytes) { return (bytes + 255) / 256 * 256; };
+  const ProblemShape pipelined = small_shape(2, 1000, 16, 2, 4, 1, 8, 128, 128);  // M = 4
+  const size_t elements = size_t(pipelined.batch * pipelined.seqlen) * pipelined.num_heads * pipelined.head_dim;
+  const kernels::backward::WorkspaceLayout half = kernels::backward::workspace_layout(pipelined, false, true);
+  const kernels::backward::WorkspaceLayout full = kernels::backward::workspace_layout(pipelined, false, false);
+  EXPECT_EQ(half.dq_proxy_accum - half.dq_accum, rounded(2 * elements));
+  EXPECT_EQ(full.dq_proxy_accum - full.dq_accum, rounded(4 * elements));
+  EXPECT_EQ(full.total - half.total, rounded(4 * elements) - rounded(2 * elements));
+  EXPECT_EQ(backward_workspace_size(pipelined, Mode::kSparse, false, DType::kBF16), half.total);
+  EXPECT_EQ(backward_workspace_size(pipelined, Mode::kSparse, false, DType::kFP16), full.total);
+  EXPECT_EQ(backward_workspace_size(pipelined, Mode::kSparse, false), full.total);
+  const ProblemShape general = small_shape(1, 700, 12, 2, 4, 2, 4, 128, 128);  // M = 3
+  for (const auto& [shape, deterministic] : {std::pair{pipelined, true}, std::pair{general, false}}) {
+    EXPECT_EQ(backward_workspace_size(shape, Mode::kSparse, deterministic, DType::kBF16),
+              backward_workspace_size(shape, Mode::kSparse, deterministic, DType::kFP16));
+  }
+  for (DType dtype : {DType::kBF16, DType::kFP16}) {
+    EXPECT_EQ(backward_workspace_size(pipelined, Mode::kWarmup, false, dtype),
+              backward_workspace_size(pipelined, Mode::kWarmup, false));
+  }
 }
 
 }  // namespace

@@ -225,7 +225,8 @@ void make_device_problem(const BackwardCase& c, const HostProblem& host, bool de
   d.kl.poison();
   d.kl_grad = upload_floats({host.kl_grad});
   d.schedule = DeviceBuffer<char>(std::max<size_t>(256, schedule_workspace_size(s)));
-  d.workspace = DeviceBuffer<char>(std::max<size_t>(256, backward_workspace_size(s, Mode::kSparse, deterministic)));
+  d.workspace =
+      DeviceBuffer<char>(std::max<size_t>(256, backward_workspace_size(s, Mode::kSparse, deterministic, c.dtype)));
   d.workspace.poison();
   // The forward's schedule of block_idx, which the backward walks (params.h: fwd.schedule).
   ScheduleParams schedule_params;

@@ -214,7 +214,7 @@ int run_gpu(const CliOptions& options, const cases::HeadConfig& config) {
   FLASHMSA_CUDA_CHECK(cudaMemcpy(kl_grad.get(), &one, sizeof(one), cudaMemcpyHostToDevice));
   DeviceBuffer<char> schedule_ws(schedule_workspace_size(shape));
   DeviceBuffer<char> forward_ws(forward_workspace_size(shape, options.mode));
-  DeviceBuffer<char> backward_ws(backward_workspace_size(shape, options.mode, false));
+  DeviceBuffer<char> backward_ws(backward_workspace_size(shape, options.mode, false, options.dtype));
 
   auto ref = [&](DeviceBuffer<uint16_t>& buffer, int heads, int dim) {
     return cases::bshd(buffer.get(), shape, heads, dim);

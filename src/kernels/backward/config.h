@@ -112,6 +112,12 @@ inline bool pipelined_supported(int heads_per_proxy, bool deterministic) {
   return !deterministic && (m == 2 || m == 4 || m == 8 || m == 16);
 }
 
+// Whether the backward sums dQ in scaled fp16 (kernel.cuh make_problem): bf16 inputs on the wgmma
+// kernel.
+inline bool dq_half_sums(const ProblemShape& shape, DType dtype, bool deterministic) {
+  return dtype == DType::kBF16 && pipelined_supported(shape.heads_per_proxy(), deterministic);
+}
+
 // The permuted row order of a step of R rows (M a power of two ≤ 16, T = R/(4M) tokens per lane
 // quad; R = 64 unless given). Row n of a step is column n = 8j + 2q + e of the transposed
 // accumulators, held by the threads with lane % 4 = q as their column c = 2j + e; it carries token
@@ -325,7 +331,7 @@ struct WorkspaceLayout {
   size_t delta = 0;         // fp32 [b, h, s]: Δ = ⟨O, dO⟩
   size_t dq_scale = 0;      // fp32 [b, h, s]: the scaled fp16 dQ sums' row scales (config above)
   size_t kv_bound = 0;      // fp32 [2]: max_j ‖V_j‖₂ and max |K|, for dq_scale
-  size_t dq_accum = 0;      // fp32 [b, s, h, d] (scaled fp16 sums: the first half);
+  size_t dq_accum = 0;      // fp32 [b, s, h, d]; the scaled fp16 sums (dq_half): fp16 [b, s, h, d];
                             // deterministic: [b, hp, s, k, m, d] per slot
   size_t dq_proxy_accum = 0;  // fp32 [b, s, hp, di]; deterministic: [b, hp, s, k, di] per slot
   size_t dk_accum = 0;      // fp32 [b, s, hkv, d]
@@ -340,7 +346,9 @@ struct WorkspaceLayout {
   size_t total = 0;
 };
 
-inline WorkspaceLayout workspace_layout(const ProblemShape& shape, bool deterministic) {
+// dq_half: the wgmma kernel's scaled fp16 dQ sums (bf16 inputs, config above), whose accumulator
+// takes half the bytes of the fp32 one.
+inline WorkspaceLayout workspace_layout(const ProblemShape& shape, bool deterministic, bool dq_half) {
   const size_t batch = size_t(shape.batch);
   const size_t seqlen = size_t(shape.seqlen);
   const size_t blocks = size_t(shape.num_blocks());
@@ -371,7 +379,7 @@ inline WorkspaceLayout workspace_layout(const ProblemShape& shape, bool determin
     layout.dq_accum = take(4 * slots * size_t(shape.heads_per_proxy()) * dim);
     layout.dq_proxy_accum = take(4 * slots * proxy_dim);
   } else {
-    layout.dq_accum = take(4 * tokens * size_t(shape.num_heads) * dim);
+    layout.dq_accum = take((dq_half ? 2 : 4) * tokens * size_t(shape.num_heads) * dim);
     layout.dq_proxy_accum = take(4 * tokens * size_t(shape.num_proxy_heads) * proxy_dim);
   }
   layout.dk_accum = take(4 * tokens * size_t(shape.num_kv_heads) * dim);

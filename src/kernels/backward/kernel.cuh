@@ -658,7 +658,8 @@ __global__ void __launch_bounds__(kThreads) finish_key_grads_kernel(const Proble
 // ---------------------------------------------------------------------------------------------
 inline Problem make_problem(const BackwardParams& params) {
   const ProblemShape& shape = params.fwd.shape;
-  const WorkspaceLayout layout = workspace_layout(shape, params.deterministic);
+  const bool dq_half = dq_half_sums(shape, params.fwd.dtype, params.deterministic);
+  const WorkspaceLayout layout = workspace_layout(shape, params.deterministic, dq_half);
   char* base = static_cast<char*>(params.workspace);
   Problem pb;
   pb.params = params;
@@ -691,7 +692,7 @@ inline Problem make_problem(const BackwardParams& params) {
   pb.proxy_per_kv_head = shape.num_proxy_heads / shape.num_kv_heads;
   pb.tiles_per_item = params.deterministic ? (1 << 30) : kTilesPerItem;
   pb.with_kl = params.kl_grad != nullptr || params.fwd.kl != nullptr;
-  pb.dq_half = params.fwd.dtype == DType::kBF16 && pipelined_supported(pb.heads_per_proxy, params.deterministic);
+  pb.dq_half = dq_half;
   return pb;
 }
 
@@ -710,23 +711,16 @@ Status run_backward(const BackwardParams& params, cudaStream_t stream) {
             "shape: the backward is built for at most 16 main heads per proxy head (H/Hp ≤ 16)"};
   }
   const Problem pb = make_problem(params);
-  const WorkspaceLayout layout = workspace_layout(shape, params.deterministic);
+  const WorkspaceLayout layout = workspace_layout(shape, params.deterministic, pb.dq_half);
   char* base = static_cast<char*>(params.workspace);
 
   // ---- zero the accumulators: one range of the layout ---------------------------------------------
   // [dq_accum, dk_accum) holds dQ and dq_proxy (per-slot buffers, fully written, in deterministic
   // mode); [dk_accum, dk_proxy_accum) dK and dV; [dk_proxy_accum, kl_sums) dk_proxy and the KL terms.
-  // With the scaled fp16 dQ sums, [kv_bound, the first half of dq_accum) and then the rest.
+  // With the scaled fp16 dQ sums the range starts at kv_bound, just before dq_accum.
   const size_t zero_end = pb.with_kl ? layout.kl_sums : layout.dk_proxy_accum;
-  if (pb.dq_half) {
-    const size_t dq_half_end = layout.dq_accum + (layout.dq_proxy_accum - layout.dq_accum) / 2;
-    FLASHMSA_BACKWARD_CHECK(cudaMemsetAsync(base + layout.kv_bound, 0, dq_half_end - layout.kv_bound, stream), "memset");
-    FLASHMSA_BACKWARD_CHECK(cudaMemsetAsync(base + layout.dq_proxy_accum, 0, zero_end - layout.dq_proxy_accum, stream),
-                            "memset");
-  } else {
-    const size_t zero_begin = params.deterministic ? layout.dk_accum : layout.dq_accum;
-    FLASHMSA_BACKWARD_CHECK(cudaMemsetAsync(base + zero_begin, 0, zero_end - zero_begin, stream), "memset");
-  }
+  const size_t zero_begin = pb.dq_half ? layout.kv_bound : params.deterministic ? layout.dk_accum : layout.dq_accum;
+  FLASHMSA_BACKWARD_CHECK(cudaMemsetAsync(base + zero_begin, 0, zero_end - zero_begin, stream), "memset");
 
   // ---- Δ (and the dQ row scales) and the reverse index ------------------------------------------
   DqScaleArgs scale_args;
