@@ -43,9 +43,9 @@ Status validate(const BackwardParams& params);
 size_t schedule_workspace_size(const ProblemShape& shape);
 size_t forward_workspace_size(const ProblemShape& shape, Mode mode);
 // The backward's size depends on the input dtype (bf16 inputs sum dQ in fp16: ≈ 2·B·S·H·D bytes
-// less); without it, the size that serves both.
-size_t backward_workspace_size(const ProblemShape& shape, Mode mode, bool deterministic, DType dtype);
-size_t backward_workspace_size(const ProblemShape& shape, Mode mode, bool deterministic);
+// less); the default, fp16's, is the larger and serves both.
+size_t backward_workspace_size(const ProblemShape& shape, Mode mode, bool deterministic,
+                               DType dtype = DType::kFP16);
 
 // The ops. Each returns kNoDevice on a machine without a Hopper GPU.
 Status select(const SelectParams& params, cudaStream_t stream);

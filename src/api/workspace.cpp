@@ -34,9 +34,4 @@ size_t backward_workspace_size(const ProblemShape& shape, Mode mode, bool determ
       .total;
 }
 
-// The larger of the two dtypes' sizes (fp16: fp32 dQ sums).
-size_t backward_workspace_size(const ProblemShape& shape, Mode mode, bool deterministic) {
-  return backward_workspace_size(shape, mode, deterministic, DType::kFP16);
-}
-
 }  // namespace flashmsa
