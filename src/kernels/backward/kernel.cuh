@@ -494,11 +494,12 @@ __global__ void __launch_bounds__(kThreads, 1) backward_tiles_kernel(const Probl
 }
 
 // ---------------------------------------------------------------------------------------------
-// Finish: fp32 accumulators -> gradients in T. 4 dims per lane; a warp takes kFinishRowsPerWarp
-// consecutive (b, i, head) rows of the query side (their loads issued together) and one row of
-// the key side.
+// Finish: accumulators -> gradients in T. The query side in two kernels: without the deterministic
+// mode each (b, i, head) row has one accumulator row, read by a half-warp, 8 dims per lane; in it a
+// row sums its per-slot buffers, 4 dims per lane. The key side takes one row per warp.
 // ---------------------------------------------------------------------------------------------
-constexpr int kFinishRowsPerWarp = 4;
+constexpr int kFinishRowsPerWarp = 4;   // query rows per warp of finish_query_grads_kernel
+constexpr int kFinishHalfWarpRows = 8;  // query rows per warp of finish_query_rows_kernel
 
 // values · factor rounded to T, one 8-byte store (out is 8-byte aligned: rows are 16-byte aligned).
 template <typename T>
@@ -520,9 +521,89 @@ __device__ __forceinline__ void add4(float (&acc)[4], const float* source) {
   acc[3] += x.w;
 }
 
-// Heads H (dq) then Hp (dq_proxy) per token. In the non-deterministic mode each output row has one
-// accumulator row, and the warp's four loads go out before any store; the deterministic mode sums
-// a row's per-slot buffers in slot order.
+// Heads H (dq) then Hp (dq_proxy) per token, one accumulator row per output row: scaled fp16 sums
+// (dq_half: 16 bytes per lane, the row's scale divided out) or fp32 sums (2 × 16 bytes). A warp
+// takes 8 consecutive rows, two at a time (a half-warp each): a first pass issues every load of its
+// rows (2 KB of fp16 or 4 KB of fp32 sums per warp), a second pass walks the rows again for the
+// outputs. (4 dims per lane and 4 rows a warp at 76 registers kept 1 KB per warp in flight, 24 warps
+// per SM: 1.75 TB/s.)
+template <typename T>
+__global__ void __launch_bounds__(kThreads, 4) finish_query_rows_kernel(const Problem pb) {
+  const ProblemShape& shape = pb.params.fwd.shape;
+  constexpr int kPasses = kFinishHalfWarpRows / 2;
+  const int lane = threadIdx.x & 31;
+  const int heads = shape.num_heads + shape.num_proxy_heads;
+  const int64_t rows = int64_t(shape.batch) * shape.seqlen * heads;
+  const int64_t first = (int64_t(blockIdx.x) * kWarps + (threadIdx.x >> 5)) * kFinishHalfWarpRows + lane / 16;
+  if (first >= rows) return;
+  const int dim = (lane % 16) * 8;
+  const bool with_kl_grad = pb.params.kl_grad != nullptr;
+
+  uint4 bits[kPasses][2];  // the row's sums: fp16 in [0], or fp32 in [0] and [1]
+  float row_scale[kPasses];  // dq_half main-head rows: dq_scale[b, h, i], a power of two
+  {
+    TokenHeadCursor at(first, heads, shape.seqlen);
+#pragma unroll
+    for (int u = 0; u < kPasses; ++u) {
+      bits[u][0] = bits[u][1] = make_uint4(0u, 0u, 0u, 0u);
+      row_scale[u] = 1.f;
+      if (first + 2 * u < rows) {
+        const int64_t token_row = at.b * shape.seqlen + at.token;
+        const float* sums = nullptr;
+        if (at.head < shape.num_heads) {
+          const int64_t element = (token_row * shape.num_heads + at.head) * kHeadDim + dim;
+          if (pb.dq_half) {
+            bits[u][0] = *reinterpret_cast<const uint4*>(reinterpret_cast<const __half*>(pb.ws.dq_accum) + element);
+            row_scale[u] = pb.ws.dq_scale[(at.b * shape.num_heads + at.head) * shape.seqlen + at.token];
+          } else {
+            sums = pb.ws.dq_accum + element;
+          }
+        } else if (with_kl_grad) {
+          sums = pb.ws.dq_proxy_accum + (token_row * shape.num_proxy_heads + (at.head - shape.num_heads)) * kHeadDim + dim;
+        }
+        if (sums != nullptr) {
+          bits[u][0] = *reinterpret_cast<const uint4*>(sums);
+          bits[u][1] = *reinterpret_cast<const uint4*>(sums + 4);
+        }
+      }
+      at.advance(2, heads, shape.seqlen);
+    }
+  }
+
+  const float kl_factor = kl_gradient_factor(pb.params, pb.proxy_scale);
+  TokenHeadCursor at(first, heads, shape.seqlen);
+#pragma unroll
+  for (int u = 0; u < kPasses; ++u, at.advance(2, heads, shape.seqlen)) {
+    if (first + 2 * u >= rows) break;
+    const bool main_head = at.head < shape.num_heads;
+    T* target = main_head ? strided<T>(pb.params.dq).row(at.b, at.token, at.head) + dim
+                          : strided<T>(pb.params.dq_proxy).row(at.b, at.token, at.head - shape.num_heads) + dim;
+    float values[8];
+    float factor = kl_factor;
+    if (main_head && pb.dq_half) {
+      // 1 / 2^k exactly, by the exponent bits (row_scale is a normal power of two, config.h).
+      factor = pb.softmax_scale * __int_as_float(0x7f000000 - __float_as_int(row_scale[u]));
+      const __half* h = reinterpret_cast<const __half*>(&bits[u][0]);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) values[e] = __half2float(h[e]);
+    } else {
+      if (main_head) factor = pb.softmax_scale;
+      const float* f = reinterpret_cast<const float*>(&bits[u][0]);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) values[e] = f[e];
+    }
+    union {
+      T elements[8];
+      uint4 bits;
+    } packed;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) packed.elements[e] = from_float<T>(values[e] * factor);
+    *reinterpret_cast<uint4*>(target) = packed.bits;
+  }
+}
+
+// Deterministic mode: heads H (dq) then Hp (dq_proxy) per token, each row the sum of its per-slot
+// buffers in slot order (dq_proxy zero without kl_grad).
 template <typename T>
 __global__ void __launch_bounds__(kThreads) finish_query_grads_kernel(const Problem pb) {
   const ProblemShape& shape = pb.params.fwd.shape;
@@ -533,89 +614,30 @@ __global__ void __launch_bounds__(kThreads) finish_query_grads_kernel(const Prob
   if (first >= rows) return;
   const int M = pb.heads_per_proxy;
   const int dim = lane * 4;
-  const bool deterministic = pb.params.deterministic;
   const bool with_kl_grad = pb.params.kl_grad != nullptr;
   const float kl_factor = kl_gradient_factor(pb.params, pb.proxy_scale);
 
   TokenHeadCursor at(first, heads, shape.seqlen);
-  const float* source[kFinishRowsPerWarp];  // the row's accumulator (non-deterministic), or null
-  T* target[kFinishRowsPerWarp];            // null past the last row
-  float factor[kFinishRowsPerWarp];
-  int64_t row_batch[kFinishRowsPerWarp], row_token[kFinishRowsPerWarp];
-  int row_head[kFinishRowsPerWarp];
-#pragma unroll
-  for (int u = 0; u < kFinishRowsPerWarp; ++u) {
-    const bool valid = first + u < rows;
-    row_batch[u] = at.b;
-    row_token[u] = at.token;
-    row_head[u] = at.head;
-    if (at.head < shape.num_heads) {
-      source[u] = pb.ws.dq_accum + ((at.b * shape.seqlen + at.token) * shape.num_heads + at.head) * kHeadDim + dim;
-      target[u] = strided<T>(pb.params.dq).row(at.b, at.token, at.head) + dim;
-      factor[u] = pb.softmax_scale;
-    } else {
-      const int proxy_head = at.head - shape.num_heads;
-      source[u] = with_kl_grad ? pb.ws.dq_proxy_accum +
-                                     ((at.b * shape.seqlen + at.token) * shape.num_proxy_heads + proxy_head) * kHeadDim + dim
-                               : nullptr;
-      target[u] = strided<T>(pb.params.dq_proxy).row(at.b, at.token, proxy_head) + dim;
-      factor[u] = kl_factor;
-    }
-    if (!valid) target[u] = nullptr;
-    if (deterministic || !valid) source[u] = nullptr;
-    at.advance(1, heads, shape.seqlen);
-  }
-  float acc[kFinishRowsPerWarp][4];
-  if (pb.dq_half) {
-    // The main heads' rows are scaled fp16 sums (config.h, kDqScaleTarget): 8-byte loads, and the
-    // row's scale divided out of the factor.
-    uint2 half_bits[kFinishRowsPerWarp];
-#pragma unroll
-    for (int u = 0; u < kFinishRowsPerWarp; ++u) {
-      half_bits[u] = make_uint2(0u, 0u);
-      if (source[u] != nullptr && row_head[u] < shape.num_heads) {
-        const int64_t element = source[u] - pb.ws.dq_accum;  // ((b·S + i)·H + h)·D + this lane's dims
-        half_bits[u] = *reinterpret_cast<const uint2*>(reinterpret_cast<const __half*>(pb.ws.dq_accum) + element);
-        factor[u] /= pb.ws.dq_scale[(row_batch[u] * shape.num_heads + row_head[u]) * shape.seqlen + row_token[u]];
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kFinishRowsPerWarp; ++u) {
-      const __half* h = reinterpret_cast<const __half*>(&half_bits[u]);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[u][e] = __half2float(h[e]);
-      if (source[u] != nullptr && row_head[u] >= shape.num_heads) add4(acc[u], source[u]);
-    }
-  } else {
-#pragma unroll
-    for (int u = 0; u < kFinishRowsPerWarp; ++u) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[u][e] = 0.f;
-      if (source[u] != nullptr) add4(acc[u], source[u]);
-    }
-  }
-  if (deterministic) {
-#pragma unroll
-    for (int u = 0; u < kFinishRowsPerWarp; ++u) {
-      if (target[u] == nullptr || (row_head[u] >= shape.num_heads && !with_kl_grad)) continue;
-      const bool main_head = row_head[u] < shape.num_heads;
-      const int proxy_head = main_head ? row_head[u] / M : row_head[u] - shape.num_heads;
-      const int32_t* slots = block_idx_row(pb, row_batch[u], proxy_head, row_token[u]);
-      const int64_t slot_row =
-          ((row_batch[u] * shape.num_proxy_heads + proxy_head) * shape.seqlen + row_token[u]) * shape.top_k;
+#pragma unroll 1
+  for (int u = 0; u < kFinishRowsPerWarp && first + u < rows; ++u, at.advance(1, heads, shape.seqlen)) {
+    const bool main_head = at.head < shape.num_heads;
+    const int proxy_head = main_head ? at.head / M : at.head - shape.num_heads;
+    T* target = main_head ? strided<T>(pb.params.dq).row(at.b, at.token, at.head) + dim
+                          : strided<T>(pb.params.dq_proxy).row(at.b, at.token, proxy_head) + dim;
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    if (main_head || with_kl_grad) {
+      const int32_t* slots = block_idx_row(pb, at.b, proxy_head, at.token);
+      const int64_t slot_row = ((at.b * shape.num_proxy_heads + proxy_head) * shape.seqlen + at.token) * shape.top_k;
       for (int slot = 0; slot < shape.top_k; ++slot) {
-        if (!slot_valid(slots, slot, row_token[u], pb.num_blocks)) continue;
+        if (!slot_valid(slots, slot, at.token, pb.num_blocks)) continue;
         if (main_head) {
-          add4(acc[u], pb.ws.dq_accum + ((slot_row + slot) * M + row_head[u] % M) * kHeadDim + dim);
+          add4(acc, pb.ws.dq_accum + ((slot_row + slot) * M + at.head % M) * kHeadDim + dim);
         } else {
-          add4(acc[u], pb.ws.dq_proxy_accum + (slot_row + slot) * kHeadDim + dim);
+          add4(acc, pb.ws.dq_proxy_accum + (slot_row + slot) * kHeadDim + dim);
         }
       }
     }
-  }
-#pragma unroll
-  for (int u = 0; u < kFinishRowsPerWarp; ++u) {
-    if (target[u] != nullptr) store4(target[u], acc[u], factor[u]);
+    store4(target, acc, main_head ? pb.softmax_scale : kl_factor);
   }
 }
 
@@ -760,8 +782,13 @@ Status finish(const Problem& pb, cudaStream_t stream) {
   const ProblemShape& shape = params.fwd.shape;
   const int64_t tokens = shape.batch * shape.seqlen;
   const int64_t query_rows = tokens * (shape.num_heads + shape.num_proxy_heads);
-  finish_query_grads_kernel<T><<<unsigned(ceil_div(query_rows, int64_t(kWarps) * kFinishRowsPerWarp)), kThreads, 0,
-                                  stream>>>(pb);
+  if (params.deterministic) {
+    finish_query_grads_kernel<T><<<unsigned(ceil_div(query_rows, int64_t(kWarps) * kFinishRowsPerWarp)), kThreads, 0,
+                                    stream>>>(pb);
+  } else {
+    finish_query_rows_kernel<T><<<unsigned(ceil_div(query_rows, int64_t(kWarps) * kFinishHalfWarpRows)), kThreads, 0,
+                                   stream>>>(pb);
+  }
   FLASHMSA_BACKWARD_CHECK(cudaGetLastError(), "finish_query_grads");
   const int64_t key_rows = tokens * (2 * shape.num_kv_heads + shape.num_proxy_kv_heads);
   finish_key_grads_kernel<T><<<unsigned(ceil_div(key_rows, kWarps)), kThreads, 0, stream>>>(pb);
