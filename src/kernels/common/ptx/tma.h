@@ -40,12 +40,28 @@ __device__ __forceinline__ void bulk_reduce_add_f32(float* destination, const vo
                : "memory");
 }
 
+// An L2 cache policy (createpolicy, fraction 1) for the accesses it is passed to: the eviction
+// priority of the lines they bring in or touch.
+__device__ __forceinline__ uint64_t l2_policy_evict_first() {
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+  return policy;
+}
+__device__ __forceinline__ uint64_t l2_policy_evict_last() {
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
+  return policy;
+}
+
 // global[i] += shared[i] for `bytes` / 2 fp16 values (same alignment rules), rounded to fp16 at
-// every add, subnormals kept.
-__device__ __forceinline__ void bulk_reduce_add_f16(void* destination, const void* source, uint32_t bytes) {
-  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.noftz.f16 [%0], [%1], %2;" ::"l"(destination),
-               "r"(smem_address(source)), "r"(bytes)
-               : "memory");
+// every add, subnormals kept; the lines touched get the L2 `policy`.
+__device__ __forceinline__ void bulk_reduce_add_f16(void* destination, const void* source, uint32_t bytes,
+                                                    uint64_t policy) {
+  asm volatile(
+      "cp.reduce.async.bulk.global.shared::cta.bulk_group.L2::cache_hint.add.noftz.f16 [%0], [%1], %2, %3;" ::"l"(
+          destination),
+      "r"(smem_address(source)), "r"(bytes), "l"(policy)
+      : "memory");
 }
 
 __device__ __forceinline__ void bulk_commit_group() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }

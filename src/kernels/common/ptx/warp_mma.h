@@ -23,6 +23,13 @@ __device__ __forceinline__ void cp_async_16(void* shared, const void* global, bo
                : "memory");
 }
 
+// cp_async_16 with an L2 cache policy (tma.h l2_policy_*) for the line it reads.
+__device__ __forceinline__ void cp_async_16(void* shared, const void* global, bool valid, uint64_t policy) {
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;" ::"r"(smem_address(shared)),
+               "l"(global), "r"(valid ? 16 : 0), "l"(policy)
+               : "memory");
+}
+
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 
 // Waits until at most `kPending` committed groups of this thread are still in flight.
