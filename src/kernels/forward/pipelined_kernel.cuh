@@ -38,6 +38,7 @@
 #include <cstdint>
 
 #include "kernels/common/ptx/barrier.h"
+#include "kernels/common/ptx/tma.h"
 #include "kernels/common/ptx/warp_mma.h"
 #include "kernels/common/ptx/wgmma.h"
 #include "kernels/forward/kernel.cuh"
@@ -181,6 +182,9 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
     const int thread = threadIdx.x;
     const int chunk = thread & 15;         // this thread copies 16-byte chunk `chunk` …
     const int first_row = thread >> 4;     // … of rows first_row + 8·i
+    // A row's Q is gathered once per selected block, by tiles of the same segment: evict-last keeps
+    // more of it in L2 between them (128K paper, one H100: 44.2 → 43.9 ms; evict-first 48.3 ms).
+    const uint64_t q_policy = ptx::l2_policy_evict_last();
     // Loop-invariant parts of this thread's query copies: the first row's head and chunk, and the
     // step of 8 heads (rows r and r + 8 of one token, for M ≥ 16).
     int token0 = 0;
@@ -288,7 +292,7 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
           }
           const uint64_t address = stage_meta.q_address[min(token, kPipelinedMaxTokens - 1)];
           ptx::cp_async_16(dst + i * 8 * 64, reinterpret_cast<const Element*>(address + q_thread_bytes + head_offset),
-                           valid);
+                           valid, q_policy);
         }
       }
       Element* qp_dst = qp_stages + s * qp_stage_elements;
