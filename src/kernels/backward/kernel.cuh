@@ -785,11 +785,12 @@ Status finish(const Problem& pb, cudaStream_t stream) {
   if (params.deterministic) {
     finish_query_grads_kernel<T><<<unsigned(ceil_div(query_rows, int64_t(kWarps) * kFinishRowsPerWarp)), kThreads, 0,
                                     stream>>>(pb);
+    FLASHMSA_BACKWARD_CHECK(cudaGetLastError(), "finish_query_grads");
   } else {
     finish_query_rows_kernel<T><<<unsigned(ceil_div(query_rows, int64_t(kWarps) * kFinishHalfWarpRows)), kThreads, 0,
                                    stream>>>(pb);
+    FLASHMSA_BACKWARD_CHECK(cudaGetLastError(), "finish_query_rows");
   }
-  FLASHMSA_BACKWARD_CHECK(cudaGetLastError(), "finish_query_grads");
   const int64_t key_rows = tokens * (2 * shape.num_kv_heads + shape.num_proxy_kv_heads);
   finish_key_grads_kernel<T><<<unsigned(ceil_div(key_rows, kWarps)), kThreads, 0, stream>>>(pb);
   FLASHMSA_BACKWARD_CHECK(cudaGetLastError(), "finish_key_grads");

@@ -248,9 +248,10 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
     // ===================================== producer =====================================
     ptx::warpgroup_registers_decrease<kProducerRegisters>();
     const int thread = threadIdx.x;
-    // Sparse mode: the Q and dO rows a tile gathers go first from L2, dQ's accumulator lines
-    // (the fp16 sums' bulk reduce-adds, read and written by every tile that holds their row) last. Measured at 128K
-    // paper (one H100): ≈ 1 ms of the backward's 69; the KL-only mode keeps the normal policy.
+    // Sparse mode: the Q and dO rows a tile gathers leave L2 first, dQ's accumulator lines (the
+    // fp16 sums' bulk reduce-adds, read and written by every tile that holds their row) last.
+    // Measured at 128K paper (one H100): ≈ 1 ms of the backward's 69. The KL-only mode keeps the
+    // normal policy.
     [[maybe_unused]] const uint64_t gather_policy = ptx::l2_policy_evict_first();
     const int chunk = thread & 15;
     const int first_row = thread >> 4;  // rows first_row + 8·i
