@@ -177,6 +177,7 @@ INSTANTIATE_TEST_SUITE_P(
         ForwardCase{"paper_s2100_k16_fp16_bhsd", 64, 4, 4, 1, 1, 2100, 16, kFP16, true, kRandom, 24},
         ForwardCase{"paper_s16385_k16_bf16_2chunks", 64, 4, 4, 1, 1, 16384 + 1, 16, kBF16, false, kRandom, 12},
         ForwardCase{"paper_s9000_k64_bf16_3chunks", 64, 4, 4, 1, 1, 9000, 64, kBF16, true, kRandom, 8},
+        ForwardCase{"paper_b2_s16385_k16_fp16_3chunks", 64, 4, 4, 1, 2, 16384 + 1, 16, kFP16, false, kRandom, 8},
         ForwardCase{"specialized_s4101_k16_bf16", 64, 4, 16, 1, 1, 4096 + 5, 16, kBF16, false, kRandom, 16},
         ForwardCase{"specialized_s3000_k2_fp16_bhsd", 64, 4, 16, 1, 1, 3000, 2, kFP16, true, kRandom, 16},
         ForwardCase{"seed_b2_s3000_k16_bf16", 16, 2, 4, 1, 2, 3000, 16, kBF16, false, kRandom, 32},

@@ -698,6 +698,7 @@ inline Problem make_problem(const BackwardParams& params) {
   pb.ws.dq_proxy_accum = reinterpret_cast<float*>(base + layout.dq_proxy_accum);
   pb.ws.dk_accum = reinterpret_cast<float*>(base + layout.dk_accum);
   pb.ws.dv_accum = reinterpret_cast<float*>(base + layout.dv_accum);
+  pb.ws.tile_counters = reinterpret_cast<uint32_t*>(base + layout.tile_counters);
   pb.ws.dk_proxy_accum = reinterpret_cast<float*>(base + layout.dk_proxy_accum);
   pb.ws.kl_partial = reinterpret_cast<float*>(base + layout.kl_partial);
   pb.ws.kl_sums = reinterpret_cast<float*>(base + layout.kl_sums);
@@ -738,8 +739,9 @@ Status run_backward(const BackwardParams& params, cudaStream_t stream) {
 
   // ---- zero the accumulators: one range of the layout ---------------------------------------------
   // [dq_accum, dk_accum) holds dQ and dq_proxy (per-slot buffers, fully written, in deterministic
-  // mode); [dk_accum, dk_proxy_accum) dK and dV; [dk_proxy_accum, kl_sums) dk_proxy and the KL terms.
-  // With the scaled fp16 dQ sums the range starts at kv_bound, just before dq_accum.
+  // mode); [dk_accum, dk_proxy_accum) dK, dV and the tile counters; [dk_proxy_accum, kl_sums)
+  // dk_proxy and the KL terms. With the scaled fp16 dQ sums the range starts at kv_bound, just
+  // before dq_accum.
   const size_t zero_end = pb.with_kl ? layout.kl_sums : layout.dk_proxy_accum;
   const size_t zero_begin = pb.dq_half ? layout.kv_bound : params.deterministic ? layout.dk_accum : layout.dq_accum;
   FLASHMSA_BACKWARD_CHECK(cudaMemsetAsync(base + zero_begin, 0, zero_end - zero_begin, stream), "memset");

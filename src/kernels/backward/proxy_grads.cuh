@@ -46,6 +46,7 @@ struct ProxyGradArgs {
   const uint32_t* tile_offsets;
   const uint32_t* entry_offsets;
   int64_t key_begin, key_end;  // the chunk's list keys
+  uint32_t* tile_counter;      // the chunk's counter of tiles dealt on demand (zeroed before)
   float* dq_proxy_accum;       // [b, s, hp, di]
   float* dk_proxy_accum;       // [b, s, hp, di]
   int seqlen, num_blocks, batch;
@@ -68,6 +69,7 @@ struct ProxyGradBuffer {
 struct ProxyGradShared {
   ProxyGradBuffer buffers[kProxyGradBuffers];
   uint4 tiles[kProxyTileCache];  // the CTA's schedule tiles [tile_cache_first, + kProxyTileCache)
+  uint32_t grab[2];              // the last ranges taken from the counter (thread 0 -> all)
 };
 constexpr int kProxyGradSmemBytes = int(sizeof(ProxyGradShared)) + 1024;  // + alignment slack
 
@@ -104,9 +106,16 @@ __global__ void __launch_bounds__(kProxyGradThreads, 1) proxy_grads_kernel(const
   const uint32_t entry_base = args.entry_offsets[args.key_begin];
   const uint32_t first_tile = args.tile_offsets[args.key_begin];
   const uint64_t total = args.tile_offsets[args.key_end] - first_tile;
-  uint32_t t = first_tile + uint32_t(total * blockIdx.x / gridDim.x);
-  const uint32_t t_end = first_tile + uint32_t(total * (blockIdx.x + 1) / gridDim.x);
+  // Load balance as in the forward tile kernel (forward/config.h, kDealtShare): an equal share of
+  // all but 1/kDealtShare of the tiles, then ranges of the rest from the chunk's counter.
+  const uint32_t dealt = uint32_t(total / forward::kDealtShare);
+  const uint32_t fixed = uint32_t(total) - dealt;
+  const uint32_t grab = max(1u, dealt / (gridDim.x * forward::kGrabsPerCta));
+  uint32_t t = first_tile + uint32_t(uint64_t(fixed) * blockIdx.x / gridDim.x);
+  uint32_t t_end = first_tile + uint32_t(uint64_t(fixed) * (blockIdx.x + 1) / gridDim.x);
   uint32_t t_used = 0;  // entries of tile t already taken
+  int grabs = 0;
+  bool exhausted = false;
 
   // Tiles come from a shared copy refilled 256 at a time (one load per thread), so walking them
   // costs no dependent global loads. Called by all threads alike.
@@ -122,8 +131,26 @@ __global__ void __launch_bounds__(kProxyGradThreads, 1) proxy_grads_kernel(const
   };
   // The next item: up to 64 entries of consecutive tiles of one list (a list's tiles hold
   // consecutive entries).
+  // The next range from the counter (all threads alike; two slots, so a fast thread 0 never
+  // overwrites the one the others are still reading).
+  auto next_range = [&]() {
+    if (exhausted) return false;
+    if (thread == 0) shared.grab[grabs & 1] = atomicAdd(args.tile_counter, grab);
+    __syncthreads();
+    const uint32_t taken = shared.grab[grabs & 1];
+    ++grabs;
+    if (taken >= dealt) {
+      exhausted = true;
+      return false;
+    }
+    t = first_tile + fixed + taken;
+    t_end = t + min(grab, dealt - taken);
+    t_used = 0;
+    cache_first = 0xffffffffu;  // the copy may hold tiles past the previous range's end, never loaded
+    return true;
+  };
   auto next_item = [&](ProxyItem& item) {
-    if (t >= t_end) return false;
+    if (t >= t_end && !next_range()) return false;
     uint4 tile = tile_at(t);
     item.key = tile.x;
     item.begin = tile.y + t_used;

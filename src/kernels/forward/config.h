@@ -63,8 +63,15 @@ struct PipelinedLayout {
   uint32_t stats = 0;  // fp32 pairs (stage, 4 warps of the proxy's warpgroup, proxy_rows)
   uint32_t meta = 0;   // (stage) StageMeta, 1040 bytes each
   uint32_t barriers = 0;
+  uint32_t grab = 0;   // (2) uint32: the last ranges of tiles taken from the chunk's counter
   uint32_t total = 0;  // bytes to request, including the alignment slack
 };
+
+// Load balance: a chunk's tiles differ in cost (a list change drains the pipeline), so every CTA
+// takes an equal share of all but 1/kDealtShare of them, in order, and then ranges of that rest
+// (about kGrabsPerCta per CTA) from a counter until none is left.
+constexpr uint32_t kDealtShare = 8;
+constexpr uint32_t kGrabsPerCta = 6;
 
 constexpr int kPipelinedMaxTokens = kTileRows / 2;  // tokens per tile for M ≥ 2
 constexpr uint32_t kStageMetaBytes = kPipelinedMaxTokens * (8 + 8 + 4 + 4) + 16;
@@ -94,6 +101,8 @@ inline PipelinedLayout make_pipelined_layout(const ProblemShape& shape, int stag
   offset += stages * kStageMetaBytes;
   layout.barriers = offset;
   offset += (2 * kPipelinedMaxStages + 1) * 8;
+  layout.grab = offset;
+  offset += 2 * 4;
   layout.total = offset + 1024;
   return layout;
 }
@@ -111,6 +120,7 @@ inline PipelinedLayout make_pipelined_layout(const ProblemShape& shape) {
 // chunk). Rows are flattened (b · S + i) minus the chunk's first row.
 struct ForwardLayout {
   int64_t chunk_rows = 0;
+  size_t tile_counters = 0;      // uint32 per chunk, zeroed by the forward before its first chunk
   size_t partial_out = 0;        // 16-bit [chunk_rows, H, K, D]
   size_t partial_lse = 0;        // fp32 [chunk_rows, H, K]
   size_t partial_proxy_lse = 0;  // fp32 [chunk_rows, Hp, K]
@@ -122,6 +132,8 @@ inline ForwardLayout make_forward_layout(const ProblemShape& shape) {
   layout.chunk_rows = schedule::chunk_rows(shape);
   const size_t row_heads = size_t(layout.chunk_rows) * shape.num_heads * shape.top_k;
   size_t offset = 0;
+  layout.tile_counters = offset;
+  offset += schedule::align_up(size_t(schedule::num_chunks(shape)) * 4);
   layout.partial_out = offset;
   offset += schedule::align_up(row_heads * shape.head_dim * 2);
   layout.partial_lse = offset;

@@ -128,11 +128,18 @@ Status run_forward(const ForwardParams& params, cudaStream_t stream) {
   }
   const int64_t grid = std::min<int64_t>(int64_t(num_sms) * std::max(blocks_per_sm, 1), chunk_tile_bound);
   const int64_t total_rows = shape.batch * shape.seqlen;
+  uint32_t* tile_counters = reinterpret_cast<uint32_t*>(workspace + layout.tile_counters);
+  if (Status s = cuda_status(cudaMemsetAsync(tile_counters, 0, size_t(schedule::num_chunks(shape)) * 4, stream),
+                             "tile counters");
+      !s.ok()) {
+    return s;
+  }
 
   for (int64_t chunk = 0; chunk < schedule::num_chunks(shape); ++chunk) {
     const int64_t first_row = chunk * layout.chunk_rows;
     tile_args.first_key = chunk * tile_args.keys_per_chunk;
     tile_args.chunk_first_row = first_row;
+    tile_args.tile_counter = tile_counters + chunk;
     if (pipelined) {
       pipelined_kernel<<<unsigned(grid), kPipelinedThreads, smem, stream>>>(tile_args, pipelined_layout);
     } else {

@@ -5,8 +5,10 @@
 // Comes before: schedule/kernel.cuh (tiles, entries). Comes after: forward/combine.cuh. Shared
 // memory layout: forward/config.h (PipelinedLayout).
 //
-// Roles (3 warpgroups, one CTA per SM, each CTA owns a contiguous range of the chunk's tiles, so
-// consecutive tiles usually share their key block and K, V, k_proxy are loaded once per list):
+// Roles (3 warpgroups, one CTA per SM, each CTA walks contiguous ranges of the chunk's tiles, so
+// consecutive tiles usually share their key block and K, V, k_proxy are loaded once per list: an
+// equal share of 7/8 of the tiles, then ranges of the last 1/8 taken from a counter as CTAs run
+// out, config.h kDealtShare; the producer ends the consumers' loop with a stage of count −1):
 //   producer   warpgroup 0. Per tile: writes the tile's (row, slot) list to the stage's metadata
 //              and issues cp.async gathers of the Q rows (token-major, the M heads of a token
 //              adjacent) and the proxy query rows into stage t % stages (3 stages where shared
@@ -172,8 +174,12 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
   const uint32_t* entries = args.header[0] == 1 ? args.entries[1] : args.entries[0];
   const uint32_t begin = args.tile_offsets[args.first_key];
   const uint32_t total = args.tile_offsets[args.first_key + args.keys_per_chunk] - begin;
-  const uint32_t lo = begin + uint32_t(uint64_t(total) * blockIdx.x / gridDim.x);
-  const int num_tiles = int(begin + uint32_t(uint64_t(total) * (blockIdx.x + 1) / gridDim.x) - lo);
+  // Tiles are not equal (a list change drains the pipeline), so 1/kDealtShare of them are dealt on
+  // demand: each CTA first takes an equal share of the others, in order, then ranges of `grab`
+  // tiles from the rest through an atomic counter, until none is left.
+  const uint32_t dealt = total / kDealtShare;
+  const uint32_t fixed = total - dealt;
+  const uint32_t grab = max(1u, dealt / (gridDim.x * kGrabsPerCta));
   const int warpgroup = ptx::warpgroup_index();
 
   if (warpgroup == 0) {
@@ -204,11 +210,12 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
     uint4 tile = make_uint4(0, 0, 0, 0);
     uint4 next_tile = make_uint4(0, 0, 0, 0);
     uint32_t entry = 0;
-    if (num_tiles > 0) {
-      tile = args.tiles[lo];
-      if (thread < int(tile.z)) entry = entries[tile.y + thread];
-    }
-    if (num_tiles > 1) next_tile = args.tiles[lo + 1];
+    // The range of tiles being walked: first the fixed share, then grabs.
+    uint32_t lo = begin + uint32_t(uint64_t(fixed) * blockIdx.x / gridDim.x);
+    int num_tiles = int(begin + uint32_t(uint64_t(fixed) * (blockIdx.x + 1) / gridDim.x) - lo);
+    uint32_t* grab_slots = reinterpret_cast<uint32_t*>(smem + layout.grab);  // (2) thread 0 -> producer
+    int grabs = 0;
+    bool any_tile = false;
     // The stage's copies are released to the consumers one tile late: after the next tile's copies
     // are issued, the thread waits for the previous group, fences the async proxy (wgmma reads
     // through it what cp.async wrote through the generic proxy) and arrives.
@@ -226,107 +233,128 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
     uint32_t phase = 0;
     int previous_s = 0;
     uint32_t previous_phase = 0;
-    for (int t = 0; t < num_tiles; ++t) {
-      const uint32_t key_value = tile.x;
-      const bool new_list = key_value != last_key;
-      if (new_list) {
-        key = decode_list_key(key_value, args);
-        q_list = int64_t(key.b) * args.q.batch_stride + int64_t(key.proxy_head) * M * args.q.head_stride;
-        out_list = (int64_t(key.b) * args.seqlen - args.chunk_first_row) * out_row_stride +
-                   int64_t(key.proxy_head) * M * args.top_k * kHeadDim;
-        qp_list = args.q_proxy.ptr + int64_t(key.b) * args.q_proxy.batch_stride +
-                  int64_t(key.proxy_head) * args.q_proxy.head_stride + chunk * 8;
+    for (;;) {
+      if (num_tiles > 0) {
+        tile = args.tiles[lo];
+        entry = thread < int(tile.z) ? entries[tile.y + thread] : 0u;
       }
-      const int count = int(tile.z);
-      const int first_key = key.block * kBlockSize;
-      ptx::mbarrier_wait(&q_empty[s], phase ^ 1);
-      if (new_list && t > 0) {
-        // K, V and the proxy keys are overwritten only after the previous tile is done.
+      if (num_tiles > 1) next_tile = args.tiles[lo + 1];
+      for (int t = 0; t < num_tiles; ++t) {
+        const uint32_t key_value = tile.x;
+        const bool new_list = key_value != last_key;
+        if (new_list) {
+          key = decode_list_key(key_value, args);
+          q_list = int64_t(key.b) * args.q.batch_stride + int64_t(key.proxy_head) * M * args.q.head_stride;
+          out_list = (int64_t(key.b) * args.seqlen - args.chunk_first_row) * out_row_stride +
+                     int64_t(key.proxy_head) * M * args.top_k * kHeadDim;
+          qp_list = args.q_proxy.ptr + int64_t(key.b) * args.q_proxy.batch_stride +
+                    int64_t(key.proxy_head) * args.q_proxy.head_stride + chunk * 8;
+        }
+        const int count = int(tile.z);
+        const int first_key = key.block * kBlockSize;
+        ptx::mbarrier_wait(&q_empty[s], phase ^ 1);
+        if (new_list && any_tile) {
+          // K, V and the proxy keys are overwritten only after the previous tile is done.
+          if (pending) {
+            ptx::cp_async_wait<0>();
+            release_pending();
+          }
+          ptx::mbarrier_wait(&q_empty[previous_s], previous_phase);
+        }
+
+        StageMeta& stage_meta = meta[s];
+        if (thread < kPipelinedMaxTokens) {
+          const bool has_entry = thread < count;
+          const int32_t row = has_entry ? int32_t(entry >> schedule::kSlotBits) : int32_t(first_key + kBlockSize - 1);
+          const int32_t slot = has_entry ? int32_t(entry & ((1u << schedule::kSlotBits) - 1)) : 0;
+          stage_meta.token_row[thread] = row;
+          stage_meta.token_slot[thread] = slot;
+          const int64_t q_offset = has_entry ? q_list + int64_t(row) * args.q.seq_stride : q_list;
+          stage_meta.q_address[thread] = reinterpret_cast<uint64_t>(args.q.ptr + q_offset);
+          stage_meta.out_offset[thread] = out_list + int64_t(row) * out_row_stride + slot * kHeadDim;
+          if (thread == 0) {
+            stage_meta.key = key_value;
+            stage_meta.count = count;
+          }
+        }
+        ptx::named_barrier_sync(4, kPipelinedProducerThreads);
+
+        if (new_list) {
+          load_key_block(k_tile, args.k, key.b, first_key, key.kv_head, args.seqlen, thread);
+          load_key_block(v_tile, args.v, key.b, first_key, key.kv_head, args.seqlen, thread);
+          load_key_block(kp_tile, args.k_proxy, key.b, first_key, key.proxy_head / args.proxy_ratio,
+                         args.seqlen, thread);
+        }
+        // Rows first_row + 8·i: the destination advances by 8 rows (1024 bytes, same swizzle phase);
+        // the source is the token's row plus the head's offset, both folded where M is known.
+        {
+          Element* dst = q_stages + s * kTileElements + q_dst;
+  #pragma unroll
+          for (int i = 0; i < kTileRows / 8; ++i) {
+            int token = 0;
+            int head = 0;
+            gathered_row<kM>(first_row, i, M, token, head);
+            const bool valid = token < count;
+            int64_t head_offset;
+            if constexpr (kM >= 8 && kM % 8 == 0) {
+              head_offset = (head - head0) / 8 * head_step_bytes;
+            } else if constexpr (kDividesEight<kM>) {
+              head_offset = 0;
+            } else {
+              head_offset = int64_t(head - head0) * args.q.head_stride * int64_t(sizeof(Element));
+            }
+            const uint64_t address = stage_meta.q_address[min(token, kPipelinedMaxTokens - 1)];
+            ptx::cp_async_16(dst + i * 8 * 64, reinterpret_cast<const Element*>(address + q_thread_bytes + head_offset),
+                             valid, q_policy);
+          }
+        }
+        Element* qp_dst = qp_stages + s * qp_stage_elements;
+        for (int row = first_row; row < prows; row += 8) {
+          const bool valid = row < count;
+          const Element* src = qp_list + int64_t(stage_meta.token_row[row]) * args.q_proxy.seq_stride;
+          ptx::cp_async_16(qp_dst + sw128_offset(prows, row, chunk), valid ? src : args.q_proxy.ptr, valid);
+        }
+        ptx::cp_async_commit();
         if (pending) {
-          ptx::cp_async_wait<0>();
+          ptx::cp_async_wait<1>();
           release_pending();
         }
-        ptx::mbarrier_wait(&q_empty[previous_s], previous_phase);
-      }
+        pending = true;
+        any_tile = true;
+        pending_stage = s;
+        pending_new_list = new_list;
+        last_key = key_value;
+        previous_s = s;
+        previous_phase = phase;
+        if (++s == stages) {
+          s = 0;
+          phase ^= 1;
+        }
 
-      StageMeta& stage_meta = meta[s];
-      if (thread < kPipelinedMaxTokens) {
-        const bool has_entry = thread < count;
-        const int32_t row = has_entry ? int32_t(entry >> schedule::kSlotBits) : int32_t(first_key + kBlockSize - 1);
-        const int32_t slot = has_entry ? int32_t(entry & ((1u << schedule::kSlotBits) - 1)) : 0;
-        stage_meta.token_row[thread] = row;
-        stage_meta.token_slot[thread] = slot;
-        const int64_t q_offset = has_entry ? q_list + int64_t(row) * args.q.seq_stride : q_list;
-        stage_meta.q_address[thread] = reinterpret_cast<uint64_t>(args.q.ptr + q_offset);
-        stage_meta.out_offset[thread] = out_list + int64_t(row) * out_row_stride + slot * kHeadDim;
-        if (thread == 0) {
-          stage_meta.key = key_value;
-          stage_meta.count = count;
+        if (t + 1 < num_tiles) {
+          tile = next_tile;
+          entry = thread < int(tile.z) ? entries[tile.y + thread] : 0u;
+          if (t + 2 < num_tiles) next_tile = args.tiles[lo + t + 2];
         }
       }
+      // The next range: thread 0 takes it from the counter; two slots, so a fast thread 0 never
+      // overwrites the one the others are still reading.
+      if (thread == 0) grab_slots[grabs & 1] = atomicAdd(args.tile_counter, grab);
       ptx::named_barrier_sync(4, kPipelinedProducerThreads);
-
-      if (new_list) {
-        load_key_block(k_tile, args.k, key.b, first_key, key.kv_head, args.seqlen, thread);
-        load_key_block(v_tile, args.v, key.b, first_key, key.kv_head, args.seqlen, thread);
-        load_key_block(kp_tile, args.k_proxy, key.b, first_key, key.proxy_head / args.proxy_ratio,
-                       args.seqlen, thread);
-      }
-      // Rows first_row + 8·i: the destination advances by 8 rows (1024 bytes, same swizzle phase);
-      // the source is the token's row plus the head's offset, both folded where M is known.
-      {
-        Element* dst = q_stages + s * kTileElements + q_dst;
-#pragma unroll
-        for (int i = 0; i < kTileRows / 8; ++i) {
-          int token = 0;
-          int head = 0;
-          gathered_row<kM>(first_row, i, M, token, head);
-          const bool valid = token < count;
-          int64_t head_offset;
-          if constexpr (kM >= 8 && kM % 8 == 0) {
-            head_offset = (head - head0) / 8 * head_step_bytes;
-          } else if constexpr (kDividesEight<kM>) {
-            head_offset = 0;
-          } else {
-            head_offset = int64_t(head - head0) * args.q.head_stride * int64_t(sizeof(Element));
-          }
-          const uint64_t address = stage_meta.q_address[min(token, kPipelinedMaxTokens - 1)];
-          ptx::cp_async_16(dst + i * 8 * 64, reinterpret_cast<const Element*>(address + q_thread_bytes + head_offset),
-                           valid, q_policy);
-        }
-      }
-      Element* qp_dst = qp_stages + s * qp_stage_elements;
-      for (int row = first_row; row < prows; row += 8) {
-        const bool valid = row < count;
-        const Element* src = qp_list + int64_t(stage_meta.token_row[row]) * args.q_proxy.seq_stride;
-        ptx::cp_async_16(qp_dst + sw128_offset(prows, row, chunk), valid ? src : args.q_proxy.ptr, valid);
-      }
-      ptx::cp_async_commit();
-      if (pending) {
-        ptx::cp_async_wait<1>();
-        release_pending();
-      }
-      pending = true;
-      pending_stage = s;
-      pending_new_list = new_list;
-      last_key = key_value;
-      previous_s = s;
-      previous_phase = phase;
-      if (++s == stages) {
-        s = 0;
-        phase ^= 1;
-      }
-
-      if (t + 1 < num_tiles) {
-        tile = next_tile;
-        entry = thread < int(tile.z) ? entries[tile.y + thread] : 0u;
-        if (t + 2 < num_tiles) next_tile = args.tiles[lo + t + 2];
-      }
+      const uint32_t taken = grab_slots[grabs & 1];
+      ++grabs;
+      if (taken >= dealt) break;
+      lo = begin + fixed + taken;
+      num_tiles = int(min(grab, dealt - taken));
     }
     if (pending) {
       ptx::cp_async_wait<0>();
       release_pending();
     }
+    // No tile left: the consumers stop at a stage whose count is −1.
+    ptx::mbarrier_wait(&q_empty[s], phase ^ 1);
+    if (thread == 0) meta[s].count = -1;
+    ptx::mbarrier_arrive(&q_full[s]);
     return;
   }
 
@@ -369,11 +397,12 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
 
   int s = 0;  // t % stages
   uint32_t phase = 0;  // (t / stages) & 1
-  for (int t = 0; t < num_tiles; ++t) {
+  for (int t = 0;; ++t) {
     ptx::mbarrier_wait(&q_full[s], phase);
     const StageMeta& stage_meta = meta[s];
     const uint32_t key_value = stage_meta.key;
     const int count = stage_meta.count;
+    if (count < 0) break;
     if (key_value != last_key) {
       ptx::mbarrier_wait(kv_full, lists_seen & 1);
       ++lists_seen;
