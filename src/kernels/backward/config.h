@@ -257,7 +257,6 @@ struct PipelinedLayout {
   uint32_t flush_token = 0;       // KL-only: int32 (flush_tokens): query position of each staged token
   uint32_t rows = 0;              // int32 (R + R + 32, R ≤ 128): step row -> token, head; proxy row -> token
   uint32_t barriers = 0;
-  uint32_t grab = 0;              // sparse mode: uint32 (2), the last ranges taken from the counter
   uint32_t total = 0;             // bytes to request, including the alignment slack
 };
 
@@ -296,8 +295,6 @@ constexpr PipelinedLayout make_pipelined_layout(bool kl_only, int m, int stages)
   at += (2 * kKlOnlyStepRows + kProxyRowsPerStage) * 4;
   layout.barriers = at;
   at += (2 * uint32_t(stages) + 1) * 8;
-  layout.grab = at;
-  at += 2 * 4;
   layout.total = at + 1024;
   return layout;
 }
@@ -339,7 +336,7 @@ struct WorkspaceLayout {
   size_t dq_proxy_accum = 0;  // fp32 [b, s, hp, di]; deterministic: [b, hp, s, k, di] per slot
   size_t dk_accum = 0;      // fp32 [b, s, hkv, d]
   size_t dv_accum = 0;      // fp32 [b, s, hkv, d]
-  size_t tile_counters = 0;   // uint32 [chunks, 2]: tiles dealt on demand, tile kernel's and proxy kernel's
+  size_t tile_counters = 0;   // uint32 [chunks]: the proxy-gradient kernel's tiles dealt on demand
   size_t dk_proxy_accum = 0;  // fp32 [b, s, hp, di]: per proxy head, summed over R at the end
   size_t kl_partial = 0;    // fp32 [b, hp, s, k]: Σ_{j in block} t (log t - log π) per slot
   size_t kl_sums = 0;       // fp32 [kKlSumBlocks]
@@ -388,7 +385,7 @@ inline WorkspaceLayout workspace_layout(const ProblemShape& shape, bool determin
   }
   layout.dk_accum = take(4 * tokens * size_t(shape.num_kv_heads) * dim);
   layout.dv_accum = take(4 * tokens * size_t(shape.num_kv_heads) * dim);
-  layout.tile_counters = take(4 * 2 * size_t(schedule::num_chunks(shape)));  // zeroed with dK, dV
+  layout.tile_counters = take(4 * size_t(schedule::num_chunks(shape)));  // zeroed with dK, dV
   layout.dk_proxy_accum = take(4 * tokens * size_t(shape.num_proxy_heads) * proxy_dim);
   layout.kl_partial = take(4 * slots);
   layout.kl_sums = take(4 * kKlSumBlocks);

@@ -93,7 +93,6 @@ struct PipelinedArgs {
   int64_t key_begin;  // list keys [key_begin, num_keys): whole query chunks
   int64_t num_keys;
   int64_t segment_keys;   // list keys of one segment (chunk, b, g): schedule::keys_per_segment
-  uint32_t* tile_counter = nullptr;  // sparse mode: the launch's counter of tiles dealt on demand (zeroed before)
   uint4* dealt;           // [tiles]: each CTA's tiles, CTA by CTA (written by the CTA itself)
   float* dq_accum;        // [b, s, h, d]
   float* dk_accum;        // [b, s, hkv, d]
@@ -137,14 +136,13 @@ __device__ __forceinline__ DenseList dense_list(int64_t list, const Args& args) 
   return out;
 }
 
-// This CTA's share [x, y) of the tiles of the segment whose first list key is `first`, those before
-// tile `limit` (where the tiles dealt on demand start): split into gridDim.x contiguous ranges.
+// This CTA's share [x, y) of the tiles of the segment whose first list key is `first`: the segment's
+// tiles split into gridDim.x contiguous ranges.
 template <typename Args>
-__device__ __forceinline__ uint2 segment_slice(const Args& args, int64_t first, uint32_t limit) {
+__device__ __forceinline__ uint2 segment_slice(const Args& args, int64_t first) {
   const int64_t last = first + args.segment_keys < args.num_keys ? first + args.segment_keys : args.num_keys;
   const uint32_t begin = args.tile_offsets[first];
-  const uint32_t end = min(args.tile_offsets[last], limit);
-  const uint32_t total = end > begin ? end - begin : 0u;
+  const uint32_t total = args.tile_offsets[last] - begin;
   return make_uint2(begin + uint32_t(uint64_t(total) * blockIdx.x / gridDim.x),
                     begin + uint32_t(uint64_t(total) * (blockIdx.x + 1) / gridDim.x));
 }
@@ -218,11 +216,6 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
   const uint32_t* entries = nullptr;
   uint32_t lo = 0;
   int num_tiles = 0;
-  // Sparse mode: the launch's last 1/kDealtShare tiles [pool_begin, pool_end) are dealt on demand
-  // (forward/config.h): CTAs that finish their run take ranges of `grab` tiles from the counter.
-  uint32_t pool_begin = 0;
-  uint32_t pool_end = 0;
-  uint32_t grab = 1;
   if constexpr (kKlOnly) {
     // A "tile" is one whole list of the dense schedule: lists blockIdx.x + t·gridDim.x.
     num_tiles = args.dense_lists > int64_t(blockIdx.x)
@@ -230,24 +223,19 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
                     : 0;
   } else {
     entries = args.header[0] == 1 ? args.entries[1] : args.entries[0];
-    pool_end = args.tile_offsets[args.num_keys];
-    const uint32_t launch_tiles = pool_end - args.tile_offsets[args.key_begin];
-    pool_begin = pool_end - launch_tiles / forward::kDealtShare;
-    grab = max(1u, (pool_end - pool_begin) / (gridDim.x * forward::kGrabsPerCta));
     // Dealing: every segment's tiles are split into gridDim.x contiguous ranges, and a CTA walks its
     // range of each segment in turn, so at any time the CTAs work in one or two segments: the dQ
     // rows they reduce into and the Q, dO rows they gather are one KV group's of one query chunk
     // (134 MB each at paper 16K-row chunks) instead of every chunk's, and more of them hit L2. The
     // CTA first copies its ranges to its own run of `dealt`, which the producer then reads in
     // order; the run starts after those of CTAs 0 … x − 1, at Σ over segments of ⌊tiles · x / grid⌋.
-    // The tiles from pool_begin on are not in any run.
     for (int64_t first = args.key_begin; first < args.num_keys; first += args.segment_keys) {
-      const uint2 slice = segment_slice(args, first, pool_begin);
+      const uint2 slice = segment_slice(args, first);
       lo += slice.x - args.tile_offsets[first];
     }
     uint32_t at = lo;
     for (int64_t first = args.key_begin; first < args.num_keys; first += args.segment_keys) {
-      const uint2 slice = segment_slice(args, first, pool_begin);
+      const uint2 slice = segment_slice(args, first);
       for (uint32_t i = threadIdx.x; i < slice.y - slice.x; i += blockDim.x) args.dealt[at + i] = args.tiles[slice.x + i];
       at += slice.y - slice.x;
     }
@@ -303,46 +291,14 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
         return args.dealt[lo + t];
       }
     };
-    // The tiles in walking order: the run, then (sparse mode, and only after a non-empty run, so
-    // that the consumers' empty-run check stays valid) ranges of the pool from the counter. Called
-    // by every producer thread alike; a range is shared through two slots and the producer barrier.
-    int fetched = 0;
-    uint32_t range_at = 0;
-    uint32_t range_end = 0;
-    bool pool_left = !kKlOnly && num_tiles > 0 && pool_end > pool_begin;
-    uint32_t* grab_slots = reinterpret_cast<uint32_t*>(smem + layout.grab);
-    int grabs = 0;
-    auto fetch_tile = [&](uint4& out) {
-      if (fetched < num_tiles) {
-        out = tile_at(fetched++);
-        return true;
-      }
-      if (range_at == range_end) {
-        if (!pool_left) return false;
-        if (thread == 0) grab_slots[grabs & 1] = atomicAdd(args.tile_counter, grab);
-        ptx::named_barrier_sync(1, kPipelinedProducerThreads);
-        const uint32_t taken = grab_slots[grabs & 1];
-        ++grabs;
-        if (taken >= pool_end - pool_begin) {
-          pool_left = false;
-          return false;
-        }
-        range_at = pool_begin + taken;
-        range_end = min(range_at + grab, pool_end);
-      }
-      out = args.tiles[range_at++];
-      return true;
-    };
     int step = 0;
-    uint4 tile = make_uint4(0, 0, 0, 0);
-    bool has_tile = fetch_tile(tile);
+    uint4 tile = num_tiles > 0 ? tile_at(0) : make_uint4(0, 0, 0, 0);
     uint32_t token_entry = 0xffffffffu;
     uint32_t row_entry = 0xffffffffu;
-    if (has_tile) load_entries(tile, 0, &token_entry, &row_entry);
+    if (num_tiles > 0) load_entries(tile, 0, &token_entry, &row_entry);
     ListKey key{};  // decoded once per list
-    for (int t = 0; has_tile; ++t) {
-      uint4 next_tile = make_uint4(0xffffffffu, 0, 0, 0);
-      const bool has_next = fetch_tile(next_tile);
+    for (int t = 0; t < num_tiles; ++t) {
+      const uint4 next_tile = t + 1 < num_tiles ? tile_at(t + 1) : make_uint4(0xffffffffu, 0, 0, 0);
       const uint32_t key_value = tile.x;
       if (key_value != last_key) {
         if constexpr (kKlOnly) {
@@ -404,7 +360,7 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
             m.block = key.block;
             m.proxy_head = key.proxy_head;
             m.flags = (list_last ? kStepListLast : 0) | (unit_last ? kStepUnitLast : 0) |
-                      (tile_last && !has_next ? kStepLast : 0);
+                      (tile_last && t + 1 == num_tiles ? kStepLast : 0);
           }
         }
         ptx::named_barrier_sync(1, kPipelinedProducerThreads);
@@ -474,7 +430,7 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
         }
         if (k + 1 < steps) {
           load_entries(tile, k + 1, &token_entry, &row_entry);
-        } else if (has_next) {
+        } else if (t + 1 < num_tiles) {
           load_entries(next_tile, 0, &token_entry, &row_entry);
         }
         ptx::cp_async_commit();
@@ -483,7 +439,6 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
         last_key = key_value;
       }
       tile = next_tile;
-      has_tile = has_next;
     }
     if (pending >= 0) {
       ptx::cp_async_wait<0>();
@@ -1106,7 +1061,6 @@ Status run_pipelined_tiles(const Problem& pb, cudaStream_t stream) {
     const int64_t end = std::min(begin + launch_keys, schedule_layout.num_keys);
     args.key_begin = begin;
     args.num_keys = end;
-    args.tile_counter = pb.ws.tile_counters + 2 * (begin / launch_keys);
     const cudaError_t error = launch_pipelined<Element, false>(args, pb.heads_per_proxy, 0, stream);
     if (error != cudaSuccess) {
       return {StatusCode::kCudaError, std::string("backward: pipelined tiles: ") + cudaGetErrorString(error)};
@@ -1114,7 +1068,7 @@ Status run_pipelined_tiles(const Problem& pb, cudaStream_t stream) {
     if (args.with_kl_grad) {
       proxy.key_begin = begin;
       proxy.key_end = end;
-      proxy.tile_counter = pb.ws.tile_counters + 2 * (begin / launch_keys) + 1;
+      proxy.tile_counter = pb.ws.tile_counters + begin / launch_keys;
       if (Status status = launch_proxy_grads(proxy, stream); !status.ok()) return status;
     }
   }

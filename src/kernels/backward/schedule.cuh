@@ -41,7 +41,7 @@ struct Workspace {
   float* dq_proxy_accum;
   float* dk_accum;
   float* dv_accum;
-  uint32_t* tile_counters;  // [chunks, 2]: the tile kernel's and the proxy-gradient kernel's
+  uint32_t* tile_counters;  // [chunks]: the proxy-gradient kernel's items dealt on demand
   float* dk_proxy_accum;
   float* kl_partial;
   float* kl_sums;
