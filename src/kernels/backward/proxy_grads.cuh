@@ -108,9 +108,8 @@ __global__ void __launch_bounds__(kProxyGradThreads, 1) proxy_grads_kernel(const
   const uint64_t total = args.tile_offsets[args.key_end] - first_tile;
   // Load balance as in the forward tile kernel (forward/config.h, kDealtShare): an equal share of
   // all but 1/kDealtShare of the tiles, then ranges of the rest from the chunk's counter.
-  const uint32_t dealt = uint32_t(total / forward::kDealtShare);
-  const uint32_t fixed = uint32_t(total) - dealt;
-  const uint32_t grab = max(1u, dealt / (gridDim.x * forward::kGrabsPerCta));
+  const forward::TileSplit split = forward::split_tiles(uint32_t(total), gridDim.x);
+  const uint32_t fixed = split.fixed, dealt = split.dealt, grab = split.grab;
   uint32_t t = first_tile + uint32_t(uint64_t(fixed) * blockIdx.x / gridDim.x);
   uint32_t t_end = first_tile + uint32_t(uint64_t(fixed) * (blockIdx.x + 1) / gridDim.x);
   uint32_t t_used = 0;  // entries of tile t already taken
@@ -129,8 +128,6 @@ __global__ void __launch_bounds__(kProxyGradThreads, 1) proxy_grads_kernel(const
     }
     return shared.tiles[index - cache_first];
   };
-  // The next item: up to 64 entries of consecutive tiles of one list (a list's tiles hold
-  // consecutive entries).
   // The next range from the counter (all threads alike; two slots, so a fast thread 0 never
   // overwrites the one the others are still reading).
   auto next_range = [&]() {
@@ -149,6 +146,8 @@ __global__ void __launch_bounds__(kProxyGradThreads, 1) proxy_grads_kernel(const
     cache_first = 0xffffffffu;  // the copy may hold tiles past the previous range's end, never loaded
     return true;
   };
+  // The next item: up to 64 entries of consecutive tiles of one list (a list's tiles hold
+  // consecutive entries).
   auto next_item = [&](ProxyItem& item) {
     if (t >= t_end && !next_range()) return false;
     uint4 tile = tile_at(t);

@@ -72,6 +72,16 @@ struct PipelinedLayout {
 // (about kGrabsPerCta per CTA) from a counter until none is left.
 constexpr uint32_t kDealtShare = 8;
 constexpr uint32_t kGrabsPerCta = 6;
+struct TileSplit {
+  uint32_t fixed;  // tiles walked in equal shares, in order
+  uint32_t dealt;  // the rest, dealt on demand after them
+  uint32_t grab;   // tiles per range taken from the counter
+};
+constexpr TileSplit split_tiles(uint32_t total, uint32_t grid) {
+  const uint32_t dealt = total / kDealtShare;
+  const uint32_t grab = dealt / (grid * kGrabsPerCta);
+  return {total - dealt, dealt, grab > 0 ? grab : 1u};
+}
 
 constexpr int kPipelinedMaxTokens = kTileRows / 2;  // tokens per tile for M ≥ 2
 constexpr uint32_t kStageMetaBytes = kPipelinedMaxTokens * (8 + 8 + 4 + 4) + 16;

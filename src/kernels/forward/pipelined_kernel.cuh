@@ -177,9 +177,8 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
   // Tiles are not equal (a list change drains the pipeline), so 1/kDealtShare of them are dealt on
   // demand: each CTA first takes an equal share of the others, in order, then ranges of `grab`
   // tiles from the rest through an atomic counter, until none is left.
-  const uint32_t dealt = total / kDealtShare;
-  const uint32_t fixed = total - dealt;
-  const uint32_t grab = max(1u, dealt / (gridDim.x * kGrabsPerCta));
+  const TileSplit split = split_tiles(total, gridDim.x);
+  const uint32_t fixed = split.fixed, dealt = split.dealt, grab = split.grab;
   const int warpgroup = ptx::warpgroup_index();
 
   if (warpgroup == 0) {
@@ -289,7 +288,7 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
         // the source is the token's row plus the head's offset, both folded where M is known.
         {
           Element* dst = q_stages + s * kTileElements + q_dst;
-  #pragma unroll
+#pragma unroll
           for (int i = 0; i < kTileRows / 8; ++i) {
             int token = 0;
             int head = 0;
