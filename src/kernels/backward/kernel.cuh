@@ -702,6 +702,7 @@ inline Problem make_problem(const BackwardParams& params) {
   pb.ws.dk_proxy_accum = reinterpret_cast<float*>(base + layout.dk_proxy_accum);
   pb.ws.kl_partial = reinterpret_cast<float*>(base + layout.kl_partial);
   pb.ws.kl_sums = reinterpret_cast<float*>(base + layout.kl_sums);
+  pb.ws.tile_bounds = reinterpret_cast<uint32_t*>(base + layout.tile_bounds);
   pb.ws.dealt_tiles = reinterpret_cast<uint4*>(base + layout.dealt_tiles);
   pb.ws.proxy_grad = base + layout.proxy_grad;
   pb.num_blocks = shape.num_blocks();

@@ -45,6 +45,7 @@ struct Workspace {
   float* dk_proxy_accum;
   float* kl_partial;
   float* kl_sums;
+  uint32_t* tile_bounds;
   uint4* dealt_tiles;
   void* proxy_grad;  // 16-bit g = π − t rows of one pass of query chunks
 };
