@@ -139,12 +139,12 @@ __device__ __forceinline__ DenseList dense_list(int64_t list, const Args& args) 
 }
 
 // The dealing's bounds (config.h kTileWeight, kListWeight): one CTA per segment (chunk, b, g)
-// writes bounds[x] for x = 0 … grid, CTA x's share being tiles [bounds[x], bounds[x + 1]). The weight of
-// the segment's tiles before tile i is W(i) = kTileWeight · (i − begin) + kListWeight · (non-empty
-// lists starting before i), and bounds[x] is the first i with W(i) ≥ ⌊W · x / grid⌋ (W the
-// segment's total): W never decreases, so the shares cover the segment once, in order. The list
-// holding that crossing finds it: with A its lists' weight before it, its tile j ≥ 1 has
-// W = A + kListWeight + kTileWeight · j.
+// writes bounds[x] for x = 0 … grid, CTA x's share being tiles [bounds[x], bounds[x + 1]). The
+// weight of the segment's tiles before tile i is W(i) = kTileWeight · (i − begin) + kListWeight ·
+// (non-empty lists starting before i), and bounds[x] is the first i with W(i) ≥ ⌊W · x / grid⌋ (W
+// the segment's total): W never decreases, so the shares cover the segment once, in order. The list
+// holding that crossing finds it: with A its lists' weight before it, its tile j ≥ 1 has W = A +
+// kListWeight + kTileWeight · j.
 template <int kThreads>
 __global__ void __launch_bounds__(kThreads)
     deal_tile_bounds(const uint32_t* tile_offsets, int64_t segment_keys, int grid,
