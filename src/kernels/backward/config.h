@@ -89,10 +89,9 @@ constexpr int kPipelinedThreads = 3 * 128;  // producer warpgroup + two consumer
 constexpr int kPipelinedProducerThreads = 128;
 // Dealing the tiles of a segment (chunk, b, g) to the CTAs: contiguous ranges of equal weight, a
 // tile weighing kTileWeight and each non-empty list kListWeight more (a list change drains the
-// pipeline, loads K, V and k̃, and a unit's end reduce-adds dK, dV). Grids up to kMaxDealGrid CTAs.
+// pipeline, loads K, V and k̃, and a unit's end reduce-adds dK, dV); schedule/deal.cuh.
 constexpr uint32_t kTileWeight = 4;
 constexpr uint32_t kListWeight = 8;
-constexpr int kMaxDealGrid = 256;
 // Register split: the producer warpgroup's count sets the consumers' to what is left of the 64K
 // registers (setmaxnreg takes multiples of 8). With M ≥ 8 the consumers fit in 224 without
 // spilling and the producer, which spills at 40, gets 56; with M ≤ 4 the consumers need 232.
@@ -346,7 +345,7 @@ struct WorkspaceLayout {
   size_t dk_proxy_accum = 0;  // fp32 [b, s, hp, di]: per proxy head, summed over R at the end
   size_t kl_partial = 0;    // fp32 [b, hp, s, k]: Σ_{j in block} t (log t - log π) per slot
   size_t kl_sums = 0;       // fp32 [kKlSumBlocks]
-  size_t tile_bounds = 0;   // uint32 [segments, kMaxDealGrid + 1]: each CTA's first tile, per segment
+  size_t tile_bounds = 0;   // uint32 [segments, schedule::kMaxDealGrid + 1]: each CTA's first tile, per segment
                             // (the wgmma kernel's dealing)
   size_t dealt_tiles = 0;   // uint4 [schedule max_tiles]: the schedule's tiles in the order the
                             // wgmma kernel's CTAs walk them (only where that kernel runs)
@@ -400,7 +399,7 @@ inline WorkspaceLayout workspace_layout(const ProblemShape& shape, bool determin
   if (pipelined_supported(shape.heads_per_proxy(), deterministic)) {
     const schedule::ScheduleLayout schedule_layout = schedule::make_schedule_layout(shape);
     const size_t segments = size_t(schedule_layout.num_keys / schedule::keys_per_segment(shape));
-    layout.tile_bounds = take(4 * segments * size_t(kMaxDealGrid + 1));
+    layout.tile_bounds = take(4 * segments * size_t(schedule::kMaxDealGrid + 1));
     layout.dealt_tiles = take(16 * size_t(schedule_layout.max_tiles));
     layout.proxy_grad = take(2 * size_t(kKeys) * size_t(proxy_grad_chunk_entries(shape)));
   }

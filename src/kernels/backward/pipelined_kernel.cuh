@@ -6,7 +6,7 @@
 // kernel.cuh's finish kernels and reduce_kl. Shared memory layout: config.h (PipelinedLayout).
 //
 // Work. A CTA owns a contiguous range of each segment's tiles, all ranges of equal weight (one CTA
-// per SM; a segment is the lists of one (chunk, b, g); deal_tile_bounds). A tile (≤ ⌊128/M⌋ tokens
+// per SM; a segment is the lists of one (chunk, b, g); schedule/deal.cuh). A tile (≤ ⌊128/M⌋ tokens
 // of one list (chunk, b, g, c, p)) runs as steps of 64 gathered rows: 4·⌊16/M⌋ tokens × M heads.
 // The rows are permuted so that accumulator column n = 8j + 2(l % 4) + e (PTX "wgmma 64N16 D")
 // holds token (l % 4)·⌊16/M⌋ + (2j + e)/M, head (2j + e) % M: the M heads of a token are the
@@ -48,7 +48,6 @@
 // staged for flush_tokens tokens, then dk_proxy += g·q̃ (m64n128) and dq_proxyᵀ = k̃ᵀ·gᵀ (m64n64).
 #pragma once
 
-#include <cub/block/block_scan.cuh>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -70,6 +69,7 @@
 #include "kernels/common/ptx/warp_mma.h"
 #include "kernels/common/ptx/wgmma.h"
 #include "kernels/forward/pipelined_kernel.cuh"
+#include "kernels/schedule/deal.cuh"
 
 namespace flashmsa::kernels::backward {
 
@@ -94,7 +94,7 @@ struct PipelinedArgs {
   int64_t key_begin;  // list keys [key_begin, num_keys): whole query chunks
   int64_t num_keys;
   int64_t segment_keys;   // list keys of one segment (chunk, b, g): schedule::keys_per_segment
-  const uint32_t* tile_bounds;  // [segments, kMaxDealGrid + 1]: deal_tile_bounds
+  const uint32_t* tile_bounds;  // [segments, schedule::kMaxDealGrid + 1]: schedule/deal.cuh
   uint4* dealt;           // [tiles]: each CTA's tiles, CTA by CTA (written by the CTA itself)
   float* dq_accum;        // [b, s, h, d]
   float* dk_accum;        // [b, s, hkv, d]
@@ -138,77 +138,12 @@ __device__ __forceinline__ DenseList dense_list(int64_t list, const Args& args) 
   return out;
 }
 
-// The dealing's bounds (config.h kTileWeight, kListWeight): one CTA per segment (chunk, b, g)
-// writes bounds[x] for x = 0 … grid, CTA x's share being tiles [bounds[x], bounds[x + 1]). The
-// weight of the segment's tiles before tile i is W(i) = kTileWeight · (i − begin) + kListWeight ·
-// (non-empty lists starting before i), and bounds[x] is the first i with W(i) ≥ ⌊W · x / grid⌋ (W
-// the segment's total): W never decreases, so the shares cover the segment once, in order. The list
-// holding that crossing finds it: with A its lists' weight before it, its tile j ≥ 1 has W = A +
-// kListWeight + kTileWeight · j.
-template <int kThreads>
-__global__ void __launch_bounds__(kThreads)
-    deal_tile_bounds(const uint32_t* tile_offsets, int64_t segment_keys, int grid,
-                     uint32_t* bounds) {
-  using BlockScan = cub::BlockScan<uint32_t, kThreads>;
-  __shared__ typename BlockScan::TempStorage scan_storage;
-  __shared__ uint32_t list_total;
-  const int64_t first = int64_t(blockIdx.x) * segment_keys;
-  const uint32_t begin = tile_offsets[first];
-  const uint32_t end = tile_offsets[first + segment_keys];
-  uint32_t* out = bounds + size_t(blockIdx.x) * (kMaxDealGrid + 1);
-  // Pass 1: the segment's non-empty lists.
-  uint32_t lists = 0;
-  for (int64_t k = threadIdx.x; k < segment_keys; k += kThreads) {
-    lists += tile_offsets[first + k + 1] > tile_offsets[first + k] ? 1u : 0u;
-  }
-  if (threadIdx.x == 0) list_total = 0;
-  __syncthreads();
-  atomicAdd(&list_total, lists);
-  __syncthreads();
-  const uint64_t total = uint64_t(kTileWeight) * (end - begin) + uint64_t(kListWeight) * list_total;
-  const uint64_t g = uint64_t(grid);
-  auto target = [&](uint64_t x) { return total * x / g; };
-  // Shares whose target is 0 (more CTAs than weight) start at the segment's first tile.
-  for (int x = threadIdx.x; x <= grid; x += kThreads) {
-    if (x == grid) out[x] = end;
-    else if (target(uint64_t(x)) == 0) out[x] = begin;
-  }
-  // Pass 2: each non-empty list writes the bounds whose target falls in (A, A + its weight].
-  uint32_t lists_before = 0;  // non-empty lists of the earlier rounds
-  for (int64_t base = 0; base < segment_keys; base += kThreads) {
-    const int64_t k = base + threadIdx.x;
-    const uint32_t at = k < segment_keys ? tile_offsets[first + k] : end;
-    const uint32_t count = k < segment_keys ? tile_offsets[first + k + 1] - at : 0u;
-    uint32_t rank = 0;
-    uint32_t round_lists = 0;
-    BlockScan(scan_storage).ExclusiveSum(count > 0 ? 1u : 0u, rank, round_lists);
-    __syncthreads();
-    if (count > 0) {
-      const uint64_t a =
-          uint64_t(kTileWeight) * (at - begin) + uint64_t(kListWeight) * (lists_before + rank);
-      const uint64_t a_next = a + kListWeight + uint64_t(kTileWeight) * count;
-      // x with a < target(x) ≤ a_next, i.e. (a + 1)·grid / total ≤ x < (a_next + 1)·grid / total.
-      uint64_t x = ((a + 1) * g + total - 1) / total;
-      const uint64_t x_end = ((a_next + 1) * g + total - 1) / total;
-      for (x = x < 1 ? 1 : x; x < x_end && x < g; ++x) {
-        const uint64_t t = target(x);
-        const uint64_t over = t > a + kListWeight ? t - a - kListWeight : 0;
-        uint64_t j = (over + kTileWeight - 1) / kTileWeight;
-        j = j < 1 ? 1 : (j > count ? count : j);
-        out[x] = at + uint32_t(j);
-      }
-    }
-    lists_before += round_lists;
-  }
-  if (threadIdx.x == 0) out[0] = begin;
-}
-
 // This CTA's share [x, y) of the tiles of the segment whose first list key is `first`
-// (deal_tile_bounds).
+// (schedule/deal.cuh).
 template <typename Args>
 __device__ __forceinline__ uint2 segment_slice(const Args& args, int64_t first) {
   const uint32_t* bounds =
-      args.tile_bounds + (first / args.segment_keys) * (kMaxDealGrid + 1) + blockIdx.x;
+      args.tile_bounds + (first / args.segment_keys) * (schedule::kMaxDealGrid + 1) + blockIdx.x;
   return make_uint2(bounds[0], bounds[1]);
 }
 
@@ -1126,13 +1061,13 @@ Status run_pipelined_tiles(const Problem& pb, cudaStream_t stream) {
   int device = 0;
   int sm_count = 0;
   FLASHMSA_BACKWARD_CHECK(current_device_sms(&device, &sm_count), "device query");
-  const int grid = std::min(sm_count, kMaxDealGrid);
+  const int grid = std::min(sm_count, schedule::kMaxDealGrid);
   args.tile_bounds = pb.ws.tile_bounds;
   {
-    constexpr int kBoundThreads = 256;
     const int64_t segments = schedule_layout.num_keys / args.segment_keys;
-    deal_tile_bounds<kBoundThreads><<<unsigned(segments), kBoundThreads, 0, stream>>>(
-        args.tile_offsets, args.segment_keys, grid, pb.ws.tile_bounds);
+    const schedule::DealWeights weights{kTileWeight, kListWeight, 1, 1};
+    schedule::deal_tile_bounds<schedule::kDealThreads><<<unsigned(segments), schedule::kDealThreads, 0, stream>>>(
+        args.tile_offsets, args.segment_keys, grid, weights, pb.ws.tile_bounds);
     FLASHMSA_BACKWARD_CHECK(cudaGetLastError(), "tile bounds");
   }
   for (int64_t begin = 0; begin < schedule_layout.num_keys; begin += launch_keys) {

@@ -28,6 +28,9 @@ namespace flashmsa::kernels::schedule {
 constexpr int kSlotBits = 6;  // slot < kMaxTopK = 64
 static_assert((1 << kSlotBits) == kMaxTopK, "slot field must hold every slot");
 
+// CTAs a dealing of tiles (schedule/deal.cuh) can serve: its bounds rows hold kMaxDealGrid + 1.
+constexpr int kMaxDealGrid = 256;
+
 // Bytes of forward partials one query row may use per chunk; bounds the forward's extra memory.
 // NOTES: 5 GB keeps 16K-row chunks for the paper configuration (266 KB of partials per row), so
 // the per-chunk launch tails stay small next to the work, and S = 1M still needs < 6 GB.
