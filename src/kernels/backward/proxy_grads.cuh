@@ -106,8 +106,8 @@ __global__ void __launch_bounds__(kProxyGradThreads, 1) proxy_grads_kernel(const
   const uint32_t entry_base = args.entry_offsets[args.key_begin];
   const uint32_t first_tile = args.tile_offsets[args.key_begin];
   const uint64_t total = args.tile_offsets[args.key_end] - first_tile;
-  // Load balance (forward/config.h, kDealtShare): an equal count of all but 1/kDealtShare of the
-  // tiles, then ranges of the rest from the chunk's counter.
+  // Load balance as in the forward tile kernel (forward/config.h, kDealtShare): an equal share of
+  // all but 1/kDealtShare of the tiles, then ranges of the rest from the chunk's counter.
   const forward::TileSplit split = forward::split_tiles(uint32_t(total), gridDim.x);
   const uint32_t fixed = split.fixed, dealt = split.dealt, grab = split.grab;
   uint32_t t = first_tile + uint32_t(uint64_t(fixed) * blockIdx.x / gridDim.x);

@@ -67,17 +67,11 @@ struct PipelinedLayout {
   uint32_t total = 0;  // bytes to request, including the alignment slack
 };
 
-// Load balance: a chunk's tiles differ in cost (a list change drains the pipeline and loads K, V
-// and k̃ again), so every CTA takes a contiguous range of equal weight (schedule/deal.cuh: a tile
-// weighs kDealTileWeight, a list start kDealListWeight more) of the chunk's first
-// (kDealtShare − 1)/kDealtShare by weight, in order, and then ranges of the rest (about
-// kGrabsPerCta per CTA) from a counter until none is left.
+// Load balance: a chunk's tiles differ in cost (a list change drains the pipeline), so every CTA
+// takes an equal share of all but 1/kDealtShare of them, in order, and then ranges of that rest
+// (about kGrabsPerCta per CTA) from a counter until none is left.
 constexpr uint32_t kDealtShare = 8;
 constexpr uint32_t kGrabsPerCta = 6;
-constexpr uint32_t kDealTileWeight = 4;
-constexpr uint32_t kDealListWeight = 8;
-// The proxy-gradient kernel (backward/proxy_grads.cuh) splits its items by count: all but
-// 1/kDealtShare in equal shares, the rest in ranges of `grab` from a counter.
 struct TileSplit {
   uint32_t fixed;  // tiles walked in equal shares, in order
   uint32_t dealt;  // the rest, dealt on demand after them
@@ -137,7 +131,6 @@ inline PipelinedLayout make_pipelined_layout(const ProblemShape& shape) {
 struct ForwardLayout {
   int64_t chunk_rows = 0;
   size_t tile_counters = 0;      // uint32 per chunk, zeroed by the forward before its first chunk
-  size_t tile_bounds = 0;        // uint32 [chunks, kMaxDealGrid + 1]: each CTA's first tile (deal.cuh)
   size_t partial_out = 0;        // 16-bit [chunk_rows, H, K, D]
   size_t partial_lse = 0;        // fp32 [chunk_rows, H, K]
   size_t partial_proxy_lse = 0;  // fp32 [chunk_rows, Hp, K]
@@ -151,8 +144,6 @@ inline ForwardLayout make_forward_layout(const ProblemShape& shape) {
   size_t offset = 0;
   layout.tile_counters = offset;
   offset += schedule::align_up(size_t(schedule::num_chunks(shape)) * 4);
-  layout.tile_bounds = offset;
-  offset += schedule::align_up(size_t(schedule::num_chunks(shape)) * (schedule::kMaxDealGrid + 1) * 4);
   layout.partial_out = offset;
   offset += schedule::align_up(row_heads * shape.head_dim * 2);
   layout.partial_lse = offset;

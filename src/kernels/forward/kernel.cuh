@@ -67,7 +67,6 @@ struct TileArgs {
   int64_t keys_per_chunk;
   int64_t chunk_first_row;          // flattened b · S + i of the chunk's first row
   uint32_t* tile_counter;           // this chunk's counter of tiles dealt on demand (pipelined kernel)
-  const uint32_t* tile_bounds;      // this chunk's [grid + 1] range starts (pipelined kernel, deal.cuh)
   Element* partial_out;             // [chunk_rows, H, K, D]
   float* partial_lse;               // [chunk_rows, H, K]
   float* partial_proxy_lse;         // [chunk_rows, Hp, K]

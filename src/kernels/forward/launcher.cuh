@@ -9,7 +9,6 @@
 #include "kernels/forward/combine.cuh"
 #include "kernels/forward/kernel.cuh"
 #include "kernels/forward/pipelined_kernel.cuh"
-#include "kernels/schedule/deal.cuh"
 #include "kernels/launch.h"
 
 namespace flashmsa::kernels::forward {
@@ -127,10 +126,7 @@ Status run_forward(const ForwardParams& params, cudaStream_t stream) {
       return s;
     }
   }
-  // The pipelined kernel's ranges come from schedule/deal.cuh, which serves up to kMaxDealGrid CTAs.
-  const int64_t max_grid =
-      pipelined ? std::min(num_sms, schedule::kMaxDealGrid) : int64_t(num_sms) * std::max(blocks_per_sm, 1);
-  const int64_t grid = std::min<int64_t>(max_grid, chunk_tile_bound);
+  const int64_t grid = std::min<int64_t>(int64_t(num_sms) * std::max(blocks_per_sm, 1), chunk_tile_bound);
   const int64_t total_rows = shape.batch * shape.seqlen;
   uint32_t* tile_counters = reinterpret_cast<uint32_t*>(workspace + layout.tile_counters);
   if (Status s = cuda_status(cudaMemsetAsync(tile_counters, 0, size_t(schedule::num_chunks(shape)) * 4, stream),
@@ -139,21 +135,11 @@ Status run_forward(const ForwardParams& params, cudaStream_t stream) {
     return s;
   }
 
-  uint32_t* tile_bounds = reinterpret_cast<uint32_t*>(workspace + layout.tile_bounds);
-  if (pipelined) {
-    const schedule::DealWeights weights{kDealTileWeight, kDealListWeight, kDealtShare - 1, kDealtShare};
-    schedule::deal_tile_bounds<schedule::kDealThreads>
-        <<<unsigned(schedule::num_chunks(shape)), schedule::kDealThreads, 0, stream>>>(
-            tile_args.tile_offsets, tile_args.keys_per_chunk, int(grid), weights, tile_bounds);
-    if (Status s = cuda_status(cudaGetLastError(), "tile bounds"); !s.ok()) return s;
-  }
-
   for (int64_t chunk = 0; chunk < schedule::num_chunks(shape); ++chunk) {
     const int64_t first_row = chunk * layout.chunk_rows;
     tile_args.first_key = chunk * tile_args.keys_per_chunk;
     tile_args.chunk_first_row = first_row;
     tile_args.tile_counter = tile_counters + chunk;
-    tile_args.tile_bounds = tile_bounds + chunk * (schedule::kMaxDealGrid + 1);
     if (pipelined) {
       pipelined_kernel<<<unsigned(grid), kPipelinedThreads, smem, stream>>>(tile_args, pipelined_layout);
     } else {

@@ -6,10 +6,9 @@
 // memory layout: forward/config.h (PipelinedLayout).
 //
 // Roles (3 warpgroups, one CTA per SM, each CTA walks contiguous ranges of the chunk's tiles, so
-// consecutive tiles usually share their key block and K, V, k_proxy are loaded once per list: a
-// range of equal weight (list starts weigh extra) of the first 7/8 of the chunk's weight, then
-// ranges of the rest taken from a counter as CTAs run out, config.h kDealtShare; the producer ends
-// the consumers' loop with a stage of count −1):
+// consecutive tiles usually share their key block and K, V, k_proxy are loaded once per list: an
+// equal share of 7/8 of the tiles, then ranges of the last 1/8 taken from a counter as CTAs run
+// out, config.h kDealtShare; the producer ends the consumers' loop with a stage of count −1):
 //   producer   warpgroup 0. Per tile: writes the tile's (row, slot) list to the stage's metadata
 //              and issues cp.async gathers of the Q rows (token-major, the M heads of a token
 //              adjacent) and the proxy query rows into stage t % stages (3 stages where shared
@@ -175,12 +174,11 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
   const uint32_t* entries = args.header[0] == 1 ? args.entries[1] : args.entries[0];
   const uint32_t begin = args.tile_offsets[args.first_key];
   const uint32_t total = args.tile_offsets[args.first_key + args.keys_per_chunk] - begin;
-  // Tiles are not equal (a list change drains the pipeline), so each CTA first walks its range of
-  // equal weight (schedule/deal.cuh) of the chunk's first 7/8 by weight, in order, then ranges of
-  // `grab` tiles from the rest through an atomic counter, until none is left.
-  const uint32_t dealt_begin = args.tile_bounds[gridDim.x];
-  const uint32_t dealt = begin + total - dealt_begin;
-  const uint32_t grab = max(dealt / (gridDim.x * kGrabsPerCta), 1u);
+  // Tiles are not equal (a list change drains the pipeline), so 1/kDealtShare of them are dealt on
+  // demand: each CTA first takes an equal share of the others, in order, then ranges of `grab`
+  // tiles from the rest through an atomic counter, until none is left.
+  const TileSplit split = split_tiles(total, gridDim.x);
+  const uint32_t fixed = split.fixed, dealt = split.dealt, grab = split.grab;
   const int warpgroup = ptx::warpgroup_index();
 
   if (warpgroup == 0) {
@@ -212,8 +210,8 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
     uint4 next_tile = make_uint4(0, 0, 0, 0);
     uint32_t entry = 0;
     // The range of tiles being walked: first the fixed share, then grabs.
-    uint32_t lo = args.tile_bounds[blockIdx.x];
-    int num_tiles = int(args.tile_bounds[blockIdx.x + 1] - lo);
+    uint32_t lo = begin + uint32_t(uint64_t(fixed) * blockIdx.x / gridDim.x);
+    int num_tiles = int(begin + uint32_t(uint64_t(fixed) * (blockIdx.x + 1) / gridDim.x) - lo);
     uint32_t* grab_slots = reinterpret_cast<uint32_t*>(smem + layout.grab);  // (2) thread 0 -> producer
     int grabs = 0;
     bool any_tile = false;
@@ -345,7 +343,7 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
       const uint32_t taken = grab_slots[grabs & 1];
       ++grabs;
       if (taken >= dealt) break;
-      lo = dealt_begin + taken;
+      lo = begin + fixed + taken;
       num_tiles = int(min(grab, dealt - taken));
     }
     if (pending) {
