@@ -1,6 +1,6 @@
 // The dealing of tiles to a persistent grid (src/kernels/schedule/deal.cuh) against a direct
 // search on the host: for random segments of lists (empty, one-tile and long lists, runs of empty
-// keys), every grid size and share the forward and the backward use, bounds[x] must be the first
+// keys), grids from 1 to kMaxDealGrid, whole and partial shares, bounds[x] must be the first
 // tile i whose weight before it reaches ⌊W · share · x / grid⌋. The properties the tile kernels
 // rely on follow and are checked too: bounds[0] is the segment's first tile, the bounds never
 // decrease, and a whole share ends at the segment's last tile.

@@ -1,10 +1,10 @@
 // Dealing a persistent grid's tiles: each CTA walks a contiguous range of a segment's tiles (a
-// segment is a run of list keys: a (chunk, b, g) for the backward tile kernel, a whole chunk for
-// the forward's), and the ranges have equal *weight* rather than equal tile counts, because a list
-// start costs more than a tile (the pipeline drains and K, V, k̃ are loaded again).
+// segment is a run of list keys; the backward tile kernel's are its (chunk, b, g)), and the ranges
+// have equal *weight* rather than equal tile counts, because a list start costs more than a tile
+// (the pipeline drains and K, V, k̃ are loaded again).
 //
-// Comes before: schedule/kernel.cuh (tile_offsets). Read by: forward/pipelined_kernel.cuh,
-// backward/pipelined_kernel.cuh, which take CTA x's range [bounds[x], bounds[x + 1]).
+// Comes before: schedule/kernel.cuh (tile_offsets). Read by: backward/pipelined_kernel.cuh, which
+// takes CTA x's range [bounds[x], bounds[x + 1]).
 #pragma once
 
 #include <cub/block/block_scan.cuh>
@@ -19,7 +19,8 @@ constexpr int kDealThreads = 256;
 
 // A tile weighs `tile`, and each non-empty list `list` more. The ranges share the first
 // share_num / share_den of the segment's weight; the tiles after bounds[grid] are left to the
-// caller (the forward deals them on demand).
+// caller (to be dealt on demand; measured for the forward's tile kernel and not kept, design.md
+// "Next", item 9).
 struct DealWeights {
   uint32_t tile;
   uint32_t list;
