@@ -7,9 +7,8 @@
 // takes CTA x's range [bounds[x], bounds[x + 1]).
 #pragma once
 
-#include <cub/block/block_scan.cuh>
-
 #include <cstdint>
+#include <cub/block/block_scan.cuh>
 
 #include "kernels/schedule/config.h"
 
@@ -17,7 +16,7 @@ namespace flashmsa::kernels::schedule {
 
 constexpr int kDealThreads = 256;
 
-// A tile weighs `tile`, and each non-empty list `list` more. The ranges share the first
+// A tile weighs `tile` (≥ 1), and each non-empty list `list` more. The ranges share the first
 // share_num / share_den of the segment's weight; the tiles after bounds[grid] are left to the
 // caller (to be dealt on demand; measured for the forward's tile kernel and not kept, design.md
 // "Next", item 9).
@@ -28,16 +27,16 @@ struct DealWeights {
   uint32_t share_den;
 };
 
-// One CTA per segment writes bounds[x] for x = 0 … grid. The weight of the segment's tiles before
-// tile i is W(i) = tile · (i − begin) + list · (non-empty lists starting before i), and bounds[x]
-// is the first i with W(i) ≥ target(x) = ⌊W · share_num · x / (share_den · grid)⌋ (W the
-// segment's total): W never decreases, so the ranges cover the shared part once, in order, and
-// bounds[grid] is the segment's end when the share is whole. The list holding a crossing finds it:
-// with A its lists' weight before it, its tile j ≥ 1 has W = A + list + tile · j.
+// One CTA per segment writes bounds[x] for x = 0 … grid (grid ≤ kMaxDealGrid). The weight of the
+// segment's tiles before tile i is W(i) = tile · (i − begin) + list · (non-empty lists starting
+// before i), and bounds[x] is the first i with W(i) ≥ target(x) = ⌊W · share_num · x / (share_den
+// · grid)⌋ (W the segment's total): W never decreases, so the ranges cover the shared part once,
+// in order, and bounds[grid] is the segment's end when the share is whole. The list holding a
+// crossing finds it: with A the weight before it, its tile j ≥ 1 has W = A + list + tile · j.
 template <int kThreads>
 __global__ void __launch_bounds__(kThreads)
-    deal_tile_bounds(const uint32_t* tile_offsets, int64_t segment_keys, int grid, DealWeights weights,
-                     uint32_t* bounds) {
+    deal_tile_bounds(const uint32_t* tile_offsets, int64_t segment_keys, int grid,
+                     DealWeights weights, uint32_t* bounds) {
   using BlockScan = cub::BlockScan<uint32_t, kThreads>;
   __shared__ typename BlockScan::TempStorage scan_storage;
   __shared__ uint32_t list_total;
@@ -54,7 +53,8 @@ __global__ void __launch_bounds__(kThreads)
   __syncthreads();
   atomicAdd(&list_total, lists);
   __syncthreads();
-  const uint64_t total = uint64_t(weights.tile) * (end - begin) + uint64_t(weights.list) * list_total;
+  const uint64_t total =
+      uint64_t(weights.tile) * (end - begin) + uint64_t(weights.list) * list_total;
   // target(x) = ⌊share · x / g⌋ with share = W · share_num and g = grid · share_den.
   const uint64_t share = total * weights.share_num;
   const uint64_t g = uint64_t(grid) * weights.share_den;
@@ -74,7 +74,8 @@ __global__ void __launch_bounds__(kThreads)
     BlockScan(scan_storage).ExclusiveSum(count > 0 ? 1u : 0u, rank, round_lists);
     __syncthreads();
     if (count > 0) {
-      const uint64_t a = uint64_t(weights.tile) * (at - begin) + uint64_t(weights.list) * (lists_before + rank);
+      const uint64_t a =
+          uint64_t(weights.tile) * (at - begin) + uint64_t(weights.list) * (lists_before + rank);
       const uint64_t a_next = a + weights.list + uint64_t(weights.tile) * count;
       // x with a < target(x) ≤ a_next, i.e. (a + 1)·g / share ≤ x < (a_next + 1)·g / share.
       uint64_t x = ((a + 1) * g + share - 1) / share;
