@@ -163,7 +163,9 @@ TEST(PipelinedBackwardLayout, ServesPowerOfTwoHeadMapsInNonDeterministicMode) {
       for (bool kl_only : {false, true}) {
         const int tokens = kernels::backward::step_tokens(m, kernels::backward::step_rows(kl_only, m));
         EXPECT_LE(tokens, kernels::backward::kMaxStepTokens) << "M = " << m;
-        if (kl_only) EXPECT_LE(tokens, kernels::backward::flush_tokens(kl_only)) << "M = " << m;
+        if (kl_only) {
+          EXPECT_LE(tokens, kernels::backward::flush_tokens(kl_only)) << "M = " << m;
+        }
       }
     }
   }

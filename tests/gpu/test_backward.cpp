@@ -502,9 +502,14 @@ INSTANTIATE_TEST_SUITE_P(Cases, BackwardMatchesReference, ::testing::ValuesIn(co
 
 // The chunked case above really spans two query chunks (the chunk size is a function of the shape).
 TEST(BackwardChunks, NamedCaseSpansTwoChunks) {
+  int found = 0;
   for (const BackwardCase& c : correctness_cases()) {
-    if (c.name == "two_chunks_h64_k64") EXPECT_EQ(kernels::schedule::num_chunks(shape_of(c)), 2);
+    if (c.name == "two_chunks_h64_k64") {
+      ++found;
+      EXPECT_EQ(kernels::schedule::num_chunks(shape_of(c)), 2);
+    }
   }
+  EXPECT_EQ(found, 1) << "the two-chunk case is missing from correctness_cases()";
 }
 // The same case captured into a CUDA graph on a non-blocking stream and replayed: the per-chunk
 // launches of the tile and proxy-gradient kernels, and the finish after them, as one graph.
