@@ -1,0 +1,186 @@
+// flashmsa_traffic: the forward tile kernel's DRAM traffic without its arithmetic, to tell how
+// fast that access mix can go on this GPU (design.md "Next", item 10).
+//
+//   flashmsa_traffic [--tiles N] [--ctas-per-sm N]
+//
+// A tile of the paper config (M = 16 heads per proxy head, 8 tokens of a 128-key block) reads each
+// token's 16 query rows (4 KB, contiguous, at a random token of a 16K-row chunk: 268 MB, far past
+// L2) and writes 16 partial rows of 256 bytes per token, 4 KB apart (partials [rows, H = 64,
+// K = 16, D = 128] in a 4.3 GB buffer). One warp moves one token. Modes: the reads alone, the
+// writes alone, both (the tile kernel's mix), and a sequential read and copy of the same bytes as
+// the ceiling of plain streaming. Prints TB/s counting the bytes each mode moves.
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+namespace {
+
+#define TRAFFIC_CHECK(call)                                                        \
+  do {                                                                             \
+    const cudaError_t status_ = (call);                                            \
+    if (status_ != cudaSuccess) {                                                  \
+      std::fprintf(stderr, "%s failed: %s\n", #call, cudaGetErrorString(status_)); \
+      std::exit(1);                                                                \
+    }                                                                              \
+  } while (0)
+
+constexpr int kRows = 16384;     // query rows of one chunk
+constexpr int kHeads = 64;       // H
+constexpr int kGroupHeads = 16;  // M: heads gathered per token
+constexpr int kGroups = kHeads / kGroupHeads;
+constexpr int kSlots = 16;         // K
+constexpr int kRowBytes = 256;     // D = 128 in 16 bits
+constexpr int kTokensPerTile = 8;  // 128 rows / M
+constexpr int kThreads = kTokensPerTile * 32;
+constexpr size_t kQBytes = size_t(kRows) * kHeads * kRowBytes;
+constexpr size_t kOutBytes = kQBytes * kSlots;
+constexpr int kChunksPerToken = kGroupHeads * kRowBytes / 16 / 32;  // 16-byte chunks per lane: 8
+
+enum Mode { kRead = 1, kWrite = 2, kBoth = 3 };
+
+__device__ __forceinline__ uint32_t mix(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7feb352dU;
+  x ^= x >> 15;
+  x *= 0x846ca68bU;
+  x ^= x >> 16;
+  return x;
+}
+
+// Tiles are walked by a persistent grid; tile i's token w is a hash of (i, w).
+template <int kMode>
+__global__ void __launch_bounds__(kThreads)
+    scattered_tiles(const uint4* q, uint4* out, int64_t tiles, uint4* sink) {
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  uint4 acc = make_uint4(0, 0, 0, 0);
+  for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    const uint32_t hash = mix(uint32_t(tile) * kTokensPerTile + warp);
+    const uint32_t token = hash % kRows;
+    const uint32_t group = uint32_t(tile) % kGroups;
+    const uint32_t slot = (hash >> 20) % kSlots;
+    const size_t row = size_t(token) * kHeads + group * kGroupHeads;  // first head's row
+    uint4 data[kChunksPerToken];
+#pragma unroll
+    for (int c = 0; c < kChunksPerToken; ++c) {
+      const int index = c * 32 + lane;  // head index / 16, 16-byte chunk index % 16
+      if constexpr (kMode & kRead) {
+        data[c] = __ldcg(q + row * (kRowBytes / 16) + index);
+      } else {
+        data[c] = make_uint4(token, index, slot, 1);
+      }
+    }
+#pragma unroll
+    for (int c = 0; c < kChunksPerToken; ++c) {
+      const int index = c * 32 + lane;
+      const size_t head_row = row + index / 16;
+      if constexpr (kMode & kWrite) {
+        out[(head_row * kSlots + slot) * (kRowBytes / 16) + index % 16] = data[c];
+      } else {
+        acc.x ^= data[c].x;
+        acc.y ^= data[c].y;
+        acc.z ^= data[c].z;
+        acc.w ^= data[c].w;
+      }
+    }
+  }
+  if (acc.x == 0x12345678u) sink[threadIdx.x] = acc;  // keeps the reads of the read-only mode
+}
+
+__global__ void sequential_copy(const uint4* in, uint4* out, int64_t count, uint4* sink,
+                                bool copy) {
+  uint4 acc = make_uint4(0, 0, 0, 0);
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < count;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const uint4 value = __ldcg(in + i);
+    if (copy) {
+      out[i] = value;
+    } else {
+      acc.x ^= value.x;
+      acc.y ^= value.y;
+    }
+  }
+  if (acc.x == 0x12345678u) sink[threadIdx.x] = acc;
+}
+
+template <typename Launch>
+float time_ms(Launch launch) {
+  cudaEvent_t start, stop;
+  TRAFFIC_CHECK(cudaEventCreate(&start));
+  TRAFFIC_CHECK(cudaEventCreate(&stop));
+  launch();  // warm-up
+  float best = 1e30f;
+  for (int r = 0; r < 5; ++r) {
+    TRAFFIC_CHECK(cudaEventRecord(start));
+    launch();
+    TRAFFIC_CHECK(cudaEventRecord(stop));
+    TRAFFIC_CHECK(cudaEventSynchronize(stop));
+    float ms = 0.f;
+    TRAFFIC_CHECK(cudaEventElapsedTime(&ms, start, stop));
+    best = ms < best ? ms : best;
+  }
+  TRAFFIC_CHECK(cudaGetLastError());
+  return best;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int64_t tiles = 1 << 20;  // ≈ 4.3 GB each way
+  int ctas_per_sm = 8;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    if (!std::strcmp(argv[i], "--tiles")) {
+      tiles = std::atoll(argv[i + 1]);
+    } else if (!std::strcmp(argv[i], "--ctas-per-sm")) {
+      ctas_per_sm = std::atoi(argv[i + 1]);
+    } else {
+      std::fprintf(stderr, "unknown flag %s\n", argv[i]);
+      return 2;
+    }
+  }
+  int device = 0;
+  TRAFFIC_CHECK(cudaGetDevice(&device));
+  cudaDeviceProp prop{};
+  TRAFFIC_CHECK(cudaGetDeviceProperties(&prop, device));
+  uint4 *q = nullptr, *out = nullptr, *sink = nullptr;
+  TRAFFIC_CHECK(cudaMalloc(&q, kQBytes));
+  TRAFFIC_CHECK(cudaMalloc(&out, kOutBytes));
+  TRAFFIC_CHECK(cudaMalloc(&sink, kThreads * sizeof(uint4)));
+  TRAFFIC_CHECK(cudaMemset(q, 1, kQBytes));
+  TRAFFIC_CHECK(cudaMemset(out, 0, kOutBytes));
+  const int grid = prop.multiProcessorCount * ctas_per_sm;
+  const double token_bytes = double(kGroupHeads) * kRowBytes;
+  const double tile_bytes = token_bytes * kTokensPerTile;
+  std::printf("%s, %d SMs, grid %d x %d threads, %lld tiles\n", prop.name, prop.multiProcessorCount,
+              grid, kThreads, static_cast<long long>(tiles));
+  std::printf("%-34s %10s %10s %8s\n", "mode", "ms", "GB", "TB/s");
+  auto report = [](const char* name, float ms, double bytes) {
+    std::printf("%-34s %10.3f %10.2f %8.3f\n", name, ms, bytes / 1e9, bytes / (ms * 1e-3) / 1e12);
+  };
+  const double one_way = tile_bytes * double(tiles);
+  report("scattered 4 KB reads",
+         time_ms([&] { scattered_tiles<kRead><<<grid, kThreads>>>(q, out, tiles, sink); }),
+         one_way);
+  report("scattered 256 B writes",
+         time_ms([&] { scattered_tiles<kWrite><<<grid, kThreads>>>(q, out, tiles, sink); }),
+         one_way);
+  report("both (the tile kernel's mix)",
+         time_ms([&] { scattered_tiles<kBoth><<<grid, kThreads>>>(q, out, tiles, sink); }),
+         2 * one_way);
+  const int64_t count = int64_t(kOutBytes / 16);
+  report("sequential read",
+         time_ms([&] { sequential_copy<<<grid, 256>>>(out, nullptr, count, sink, false); }),
+         double(kOutBytes));
+  const int64_t half = count / 2;
+  report("sequential copy",
+         time_ms([&] { sequential_copy<<<grid, 256>>>(out, out + half, half, sink, true); }),
+         double(kOutBytes));
+  TRAFFIC_CHECK(cudaFree(q));
+  TRAFFIC_CHECK(cudaFree(out));
+  TRAFFIC_CHECK(cudaFree(sink));
+  return 0;
+}
