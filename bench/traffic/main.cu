@@ -15,18 +15,12 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <string>
+
+#include "bench.h"
 
 namespace {
 
-#define TRAFFIC_CHECK(call)                                                        \
-  do {                                                                             \
-    const cudaError_t status_ = (call);                                            \
-    if (status_ != cudaSuccess) {                                                  \
-      std::fprintf(stderr, "%s failed: %s\n", #call, cudaGetErrorString(status_)); \
-      std::exit(1);                                                                \
-    }                                                                              \
-  } while (0)
+using flashmsa::testing::DeviceBuffer;
 
 constexpr int kRows = 16384;     // query rows of one chunk
 constexpr int kHeads = 64;       // H
@@ -107,30 +101,10 @@ __global__ void sequential_copy(const uint4* in, uint4* out, int64_t count, uint
   if (acc.x == 0x12345678u) sink[threadIdx.x] = acc;
 }
 
-template <typename Launch>
-float time_ms(Launch launch) {
-  cudaEvent_t start, stop;
-  TRAFFIC_CHECK(cudaEventCreate(&start));
-  TRAFFIC_CHECK(cudaEventCreate(&stop));
-  launch();  // warm-up
-  float best = 1e30f;
-  for (int r = 0; r < 5; ++r) {
-    TRAFFIC_CHECK(cudaEventRecord(start));
-    launch();
-    TRAFFIC_CHECK(cudaEventRecord(stop));
-    TRAFFIC_CHECK(cudaEventSynchronize(stop));
-    float ms = 0.f;
-    TRAFFIC_CHECK(cudaEventElapsedTime(&ms, start, stop));
-    best = ms < best ? ms : best;
-  }
-  TRAFFIC_CHECK(cudaGetLastError());
-  return best;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
-  int64_t tiles = 1 << 20;  // ≈ 4.3 GB each way
+  int64_t tiles = 1 << 20;  // ≈ 34 GB each way, about the 128K paper forward's 1.05M tiles
   int ctas_per_sm = 8;
   for (int i = 1; i + 1 < argc; i += 2) {
     if (!std::strcmp(argv[i], "--tiles")) {
@@ -143,44 +117,60 @@ int main(int argc, char** argv) {
     }
   }
   int device = 0;
-  TRAFFIC_CHECK(cudaGetDevice(&device));
+  FLASHMSA_CUDA_CHECK(cudaGetDevice(&device));
   cudaDeviceProp prop{};
-  TRAFFIC_CHECK(cudaGetDeviceProperties(&prop, device));
-  uint4 *q = nullptr, *out = nullptr, *sink = nullptr;
-  TRAFFIC_CHECK(cudaMalloc(&q, kQBytes));
-  TRAFFIC_CHECK(cudaMalloc(&out, kOutBytes));
-  TRAFFIC_CHECK(cudaMalloc(&sink, kThreads * sizeof(uint4)));
-  TRAFFIC_CHECK(cudaMemset(q, 1, kQBytes));
-  TRAFFIC_CHECK(cudaMemset(out, 0, kOutBytes));
+  FLASHMSA_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
+  DeviceBuffer<uint4> q(kQBytes / 16);
+  DeviceBuffer<uint4> out(kOutBytes / 16);
+  DeviceBuffer<uint4> sink(kThreads);
+  FLASHMSA_CUDA_CHECK(cudaMemset(q.get(), 1, kQBytes));
+  FLASHMSA_CUDA_CHECK(cudaMemset(out.get(), 0, kOutBytes));
   const int grid = prop.multiProcessorCount * ctas_per_sm;
-  const double token_bytes = double(kGroupHeads) * kRowBytes;
-  const double tile_bytes = token_bytes * kTokensPerTile;
+  const double tile_bytes = double(kTokensPerTile) * kGroupHeads * kRowBytes;
   std::printf("%s, %d SMs, grid %d x %d threads, %lld tiles\n", prop.name, prop.multiProcessorCount,
               grid, kThreads, static_cast<long long>(tiles));
   std::printf("%-34s %10s %10s %8s\n", "mode", "ms", "GB", "TB/s");
-  auto report = [](const char* name, float ms, double bytes) {
+  // Median of 10 runs, each after an L2 flush (bench.h).
+  auto report = [](const char* name, const std::function<void(cudaStream_t)>& work, double bytes) {
+    const double ms = flashmsa::bench::time_median_ms(work, nullptr, 2, 10);
     std::printf("%-34s %10.3f %10.2f %8.3f\n", name, ms, bytes / 1e9, bytes / (ms * 1e-3) / 1e12);
   };
   const double one_way = tile_bytes * double(tiles);
-  report("scattered 4 KB reads",
-         time_ms([&] { scattered_tiles<kRead><<<grid, kThreads>>>(q, out, tiles, sink); }),
-         one_way);
-  report("scattered 256 B writes",
-         time_ms([&] { scattered_tiles<kWrite><<<grid, kThreads>>>(q, out, tiles, sink); }),
-         one_way);
-  report("both (the tile kernel's mix)",
-         time_ms([&] { scattered_tiles<kBoth><<<grid, kThreads>>>(q, out, tiles, sink); }),
-         2 * one_way);
+  report(
+      "scattered 4 KB reads",
+      [&](cudaStream_t stream) {
+        scattered_tiles<kRead>
+            <<<grid, kThreads, 0, stream>>>(q.get(), out.get(), tiles, sink.get());
+      },
+      one_way);
+  report(
+      "scattered 256 B writes",
+      [&](cudaStream_t stream) {
+        scattered_tiles<kWrite>
+            <<<grid, kThreads, 0, stream>>>(q.get(), out.get(), tiles, sink.get());
+      },
+      one_way);
+  report(
+      "both (the tile kernel's mix)",
+      [&](cudaStream_t stream) {
+        scattered_tiles<kBoth>
+            <<<grid, kThreads, 0, stream>>>(q.get(), out.get(), tiles, sink.get());
+      },
+      2 * one_way);
   const int64_t count = int64_t(kOutBytes / 16);
-  report("sequential read",
-         time_ms([&] { sequential_copy<<<grid, 256>>>(out, nullptr, count, sink, false); }),
-         double(kOutBytes));
+  report(
+      "sequential read",
+      [&](cudaStream_t stream) {
+        sequential_copy<<<grid, 256, 0, stream>>>(out.get(), nullptr, count, sink.get(), false);
+      },
+      double(kOutBytes));
   const int64_t half = count / 2;
-  report("sequential copy",
-         time_ms([&] { sequential_copy<<<grid, 256>>>(out, out + half, half, sink, true); }),
-         double(kOutBytes));
-  TRAFFIC_CHECK(cudaFree(q));
-  TRAFFIC_CHECK(cudaFree(out));
-  TRAFFIC_CHECK(cudaFree(sink));
+  report(
+      "sequential copy",
+      [&](cudaStream_t stream) {
+        sequential_copy<<<grid, 256, 0, stream>>>(out.get(), out.get() + half, half, sink.get(),
+                                                  true);
+      },
+      double(kOutBytes));
   return 0;
 }
