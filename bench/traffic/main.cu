@@ -15,6 +15,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <type_traits>
 
 #include "bench.h"
 
@@ -136,27 +137,17 @@ int main(int argc, char** argv) {
     std::printf("%-34s %10.3f %10.2f %8.3f\n", name, ms, bytes / 1e9, bytes / (ms * 1e-3) / 1e12);
   };
   const double one_way = tile_bytes * double(tiles);
-  report(
-      "scattered 4 KB reads",
-      [&](cudaStream_t stream) {
-        scattered_tiles<kRead>
-            <<<grid, kThreads, 0, stream>>>(q.get(), out.get(), tiles, sink.get());
-      },
-      one_way);
-  report(
-      "scattered 256 B writes",
-      [&](cudaStream_t stream) {
-        scattered_tiles<kWrite>
-            <<<grid, kThreads, 0, stream>>>(q.get(), out.get(), tiles, sink.get());
-      },
-      one_way);
-  report(
-      "both (the tile kernel's mix)",
-      [&](cudaStream_t stream) {
-        scattered_tiles<kBoth>
-            <<<grid, kThreads, 0, stream>>>(q.get(), out.get(), tiles, sink.get());
-      },
-      2 * one_way);
+  // The scattered tiles in one mode (kRead, kWrite or kBoth), as a benchmark's work.
+  auto scattered = [&](auto mode) {
+    return [&, mode](cudaStream_t stream) {
+      scattered_tiles<decltype(mode)::value>
+          <<<grid, kThreads, 0, stream>>>(q.get(), out.get(), tiles, sink.get());
+    };
+  };
+  report("scattered 4 KB reads", scattered(std::integral_constant<int, kRead>()), one_way);
+  report("scattered 256 B writes", scattered(std::integral_constant<int, kWrite>()), one_way);
+  report("both (the tile kernel's mix)", scattered(std::integral_constant<int, kBoth>()),
+         2 * one_way);
   const int64_t count = int64_t(kOutBytes / 16);
   report(
       "sequential read",
