@@ -13,11 +13,13 @@
 
 #include <cstdint>
 #include <cstdio>
-#include <cstdlib>
-#include <cstring>
+#include <optional>
+#include <string>
 #include <type_traits>
 
 #include "bench.h"
+#include "common/flags.h"
+#include "flashmsa/api.h"
 
 namespace {
 
@@ -107,15 +109,30 @@ __global__ void sequential_copy(const uint4* in, uint4* out, int64_t count, uint
 int main(int argc, char** argv) {
   int64_t tiles = 1 << 20;  // ≈ 34 GB each way, about the 128K paper forward's 1.05M tiles
   int ctas_per_sm = 8;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    if (!std::strcmp(argv[i], "--tiles")) {
-      tiles = std::atoll(argv[i + 1]);
-    } else if (!std::strcmp(argv[i], "--ctas-per-sm")) {
-      ctas_per_sm = std::atoi(argv[i + 1]);
-    } else {
-      std::fprintf(stderr, "unknown flag %s\n", argv[i]);
+  for (int i = 1; i < argc; i += 2) {
+    const std::string flag = argv[i];
+    if (flag != "--tiles" && flag != "--ctas-per-sm") {
+      std::fprintf(stderr, "flashmsa_traffic: unknown flag %s\n", flag.c_str());
       return 2;
     }
+    const std::string value = i + 1 < argc ? argv[i + 1] : "";
+    std::string error;
+    const bool is_tiles = flag == "--tiles";
+    const std::optional<int64_t> parsed =
+        flashmsa::testing::parse_integer(flag, value, 1, is_tiles ? int64_t(1) << 40 : 32, error);
+    if (!parsed) {
+      std::fprintf(stderr, "flashmsa_traffic: %s\n", error.c_str());
+      return 2;
+    }
+    if (is_tiles) {
+      tiles = *parsed;
+    } else {
+      ctas_per_sm = int(*parsed);
+    }
+  }
+  if (!flashmsa::hopper_available()) {
+    std::fprintf(stderr, "flashmsa_traffic: no Hopper GPU (H100/H200) here; nothing to time\n");
+    return 1;
   }
   int device = 0;
   FLASHMSA_CUDA_CHECK(cudaGetDevice(&device));

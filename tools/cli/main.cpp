@@ -6,19 +6,19 @@
 //
 //   flashmsa [--config paper|specialized|seed] [--seqlen S] [--batch B] [--top-k K]
 //            [--mode sparse|warmup] [--dtype bf16|fp16] [--cpu]
-#include <charconv>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
+#include <optional>
 #include <string>
-#include <system_error>
 #include <vector>
 
 #include "common/cases.h"
 #include "common/device_buffers.h"
+#include "common/flags.h"
 #include "flashmsa/api.h"
 #include "reference/reference.h"
 
@@ -47,14 +47,10 @@ constexpr const char* kUsage =
 
 // `value` as a whole decimal integer in [low, high], or a usage error naming the flag.
 int64_t parse_integer(const std::string& flag, const std::string& value, int64_t low, int64_t high) {
-  int64_t parsed = 0;
-  const char* end = value.data() + value.size();
-  const auto [stop, error] = std::from_chars(value.data(), end, parsed);
-  if (value.empty() || error != std::errc() || stop != end || parsed < low || parsed > high) {
-    usage_error(flag + " must be an integer in [" + std::to_string(low) + ", " + std::to_string(high) +
-                "], got '" + value + "'");
-  }
-  return parsed;
+  std::string error;
+  const std::optional<int64_t> parsed = testing::parse_integer(flag, value, low, high, error);
+  if (!parsed) usage_error(error);
+  return *parsed;
 }
 
 CliOptions parse(int argc, char** argv) {
