@@ -67,9 +67,11 @@ struct PipelinedLayout {
   uint32_t total = 0;  // bytes to request, including the alignment slack
 };
 
-// Load balance: a chunk's tiles differ in cost (a list change drains the pipeline), so every CTA
-// takes an equal share of all but 1/kDealtShare of them, in order, and then ranges of that rest
-// (about kGrabsPerCta per CTA) from a counter until none is left.
+// Load balance: a chunk's tiles are walked segment (b, g) after segment (schedule::keys_per_segment),
+// so that one KV group's query rows are gathered at a time and meet L2 more often. A segment's
+// tiles differ in cost (a list change drains the pipeline), so every CTA takes an equal share of
+// all but 1/kDealtShare of them, in order, and then ranges of that rest (about kGrabsPerCta per
+// CTA) from the segment's counter until none is left.
 constexpr uint32_t kDealtShare = 8;
 constexpr uint32_t kGrabsPerCta = 6;
 struct TileSplit {
@@ -82,6 +84,15 @@ constexpr TileSplit split_tiles(uint32_t total, uint32_t grid) {
   const uint32_t grab = dealt / (grid * kGrabsPerCta);
   return {total - dealt, dealt, grab > 0 ? grab : 1u};
 }
+
+// ⌊n · x / grid⌋ for x ≤ grid < 2^16 in 32-bit arithmetic: with n = q · grid + r it is
+// q · x + ⌊r · x / grid⌋, and r · x < grid².
+constexpr uint32_t share_bound(uint32_t n, uint32_t x, uint32_t grid) {
+  return (n / grid) * x + (n % grid) * x / grid;
+}
+
+// Segments (b, g) of a query chunk: each has a counter of tiles dealt on demand.
+inline int64_t segments_per_chunk(const ProblemShape& shape) { return shape.batch * shape.num_kv_heads; }
 
 constexpr int kPipelinedMaxTokens = kTileRows / 2;  // tokens per tile for M ≥ 2
 constexpr uint32_t kStageMetaBytes = kPipelinedMaxTokens * (8 + 8 + 4 + 4) + 16;
@@ -130,7 +141,7 @@ inline PipelinedLayout make_pipelined_layout(const ProblemShape& shape) {
 // chunk). Rows are flattened (b · S + i) minus the chunk's first row.
 struct ForwardLayout {
   int64_t chunk_rows = 0;
-  size_t tile_counters = 0;      // uint32 per chunk, zeroed by the forward before its first chunk
+  size_t tile_counters = 0;      // uint32 per (chunk, segment), zeroed by the forward before its first chunk
   size_t partial_out = 0;        // 16-bit [chunk_rows, H, K, D]
   size_t partial_lse = 0;        // fp32 [chunk_rows, H, K]
   size_t partial_proxy_lse = 0;  // fp32 [chunk_rows, Hp, K]
@@ -143,7 +154,7 @@ inline ForwardLayout make_forward_layout(const ProblemShape& shape) {
   const size_t row_heads = size_t(layout.chunk_rows) * shape.num_heads * shape.top_k;
   size_t offset = 0;
   layout.tile_counters = offset;
-  offset += schedule::align_up(size_t(schedule::num_chunks(shape)) * 4);
+  offset += schedule::align_up(size_t(schedule::num_chunks(shape) * segments_per_chunk(shape)) * 4);
   layout.partial_out = offset;
   offset += schedule::align_up(row_heads * shape.head_dim * 2);
   layout.partial_lse = offset;

@@ -65,8 +65,10 @@ struct TileArgs {
   const int32_t* header;            // [0]: which entry buffer is current
   int64_t first_key;                // this chunk's keys: [first_key, first_key + keys_per_chunk)
   int64_t keys_per_chunk;
+  int64_t segment_keys;             // keys of one segment (chunk, b, g): schedule::keys_per_segment
   int64_t chunk_first_row;          // flattened b · S + i of the chunk's first row
-  uint32_t* tile_counter;           // this chunk's counter of tiles dealt on demand (pipelined kernel)
+  uint32_t* tile_counters;          // this chunk's counters of tiles dealt on demand, one per
+                                    // segment (pipelined kernel)
   Element* partial_out;             // [chunk_rows, H, K, D]
   float* partial_lse;               // [chunk_rows, H, K]
   float* partial_proxy_lse;         // [chunk_rows, Hp, K]

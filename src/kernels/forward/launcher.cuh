@@ -65,6 +65,7 @@ Status run_forward(const ForwardParams& params, cudaStream_t stream) {
   }
   tile_args.header = reinterpret_cast<const int32_t*>(schedule_base + schedule_layout.header);
   tile_args.keys_per_chunk = schedule::keys_per_chunk(shape);
+  tile_args.segment_keys = schedule::keys_per_segment(shape);
   tile_args.partial_out = reinterpret_cast<Element*>(workspace + layout.partial_out);
   tile_args.partial_lse = reinterpret_cast<float*>(workspace + layout.partial_lse);
   tile_args.partial_proxy_lse = reinterpret_cast<float*>(workspace + layout.partial_proxy_lse);
@@ -129,7 +130,8 @@ Status run_forward(const ForwardParams& params, cudaStream_t stream) {
   const int64_t grid = std::min<int64_t>(int64_t(num_sms) * std::max(blocks_per_sm, 1), chunk_tile_bound);
   const int64_t total_rows = shape.batch * shape.seqlen;
   uint32_t* tile_counters = reinterpret_cast<uint32_t*>(workspace + layout.tile_counters);
-  if (Status s = cuda_status(cudaMemsetAsync(tile_counters, 0, size_t(schedule::num_chunks(shape)) * 4, stream),
+  const int64_t segments = segments_per_chunk(shape);
+  if (Status s = cuda_status(cudaMemsetAsync(tile_counters, 0, size_t(schedule::num_chunks(shape) * segments) * 4, stream),
                              "tile counters");
       !s.ok()) {
     return s;
@@ -139,7 +141,7 @@ Status run_forward(const ForwardParams& params, cudaStream_t stream) {
     const int64_t first_row = chunk * layout.chunk_rows;
     tile_args.first_key = chunk * tile_args.keys_per_chunk;
     tile_args.chunk_first_row = first_row;
-    tile_args.tile_counter = tile_counters + chunk;
+    tile_args.tile_counters = tile_counters + chunk * segments;
     if (pipelined) {
       pipelined_kernel<<<unsigned(grid), kPipelinedThreads, smem, stream>>>(tile_args, pipelined_layout);
     } else {

@@ -6,9 +6,10 @@
 // memory layout: forward/config.h (PipelinedLayout).
 //
 // Roles (3 warpgroups, one CTA per SM, each CTA walks contiguous ranges of the chunk's tiles, so
-// consecutive tiles usually share their key block and K, V, k_proxy are loaded once per list: an
-// equal share of 7/8 of the tiles, then ranges of the last 1/8 taken from a counter as CTAs run
-// out, config.h kDealtShare; the producer ends the consumers' loop with a stage of count −1):
+// consecutive tiles usually share their key block and K, V, k_proxy are loaded once per list; the
+// chunk's segments (b, g) one after another, and in each an equal share of 7/8 of its tiles, then
+// ranges of the last 1/8 taken from the segment's counter as CTAs run out, config.h kDealtShare;
+// the producer ends the consumers' loop with a stage of count −1):
 //   producer   warpgroup 0. Per tile: writes the tile's (row, slot) list to the stage's metadata
 //              and issues cp.async gathers of the Q rows (token-major, the M heads of a token
 //              adjacent) and the proxy query rows into stage t % stages (3 stages where shared
@@ -172,13 +173,6 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
 
   const int M = kM > 0 ? kM : args.heads_per_proxy;
   const uint32_t* entries = args.header[0] == 1 ? args.entries[1] : args.entries[0];
-  const uint32_t begin = args.tile_offsets[args.first_key];
-  const uint32_t total = args.tile_offsets[args.first_key + args.keys_per_chunk] - begin;
-  // Tiles are not equal (a list change drains the pipeline), so 1/kDealtShare of them are dealt on
-  // demand: each CTA first takes an equal share of the others, in order, then ranges of `grab`
-  // tiles from the rest through an atomic counter, until none is left.
-  const TileSplit split = split_tiles(total, gridDim.x);
-  const uint32_t fixed = split.fixed, dealt = split.dealt, grab = split.grab;
   const int warpgroup = ptx::warpgroup_index();
 
   if (warpgroup == 0) {
@@ -209,9 +203,21 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
     uint4 tile = make_uint4(0, 0, 0, 0);
     uint4 next_tile = make_uint4(0, 0, 0, 0);
     uint32_t entry = 0;
-    // The range of tiles being walked: first the fixed share, then grabs.
-    uint32_t lo = begin + uint32_t(uint64_t(fixed) * blockIdx.x / gridDim.x);
-    int num_tiles = int(begin + uint32_t(uint64_t(fixed) * (blockIdx.x + 1) / gridDim.x) - lo);
+    // The chunk is walked segment (b, g) after segment. Tiles are not equal (a list change drains
+    // the pipeline), so 1/kDealtShare of a segment's tiles are dealt on demand: each CTA first walks
+    // an equal share of the others, in order, then ranges of split.grab tiles from the rest through
+    // the segment's counter, until none is left. Only the segment index lives across the tile loop;
+    // its bounds and split are read again where a range is dealt.
+    const int segments = int(args.keys_per_chunk / args.segment_keys);
+    int segment = 0;
+    uint32_t lo = 0;
+    int num_tiles = 0;
+    {
+      const uint32_t seg_begin = args.tile_offsets[args.first_key];
+      const TileSplit split = split_tiles(args.tile_offsets[args.first_key + args.segment_keys] - seg_begin, gridDim.x);
+      lo = seg_begin + share_bound(split.fixed, blockIdx.x, gridDim.x);
+      num_tiles = int(share_bound(split.fixed, blockIdx.x + 1, gridDim.x) - share_bound(split.fixed, blockIdx.x, gridDim.x));
+    }
     uint32_t* grab_slots = reinterpret_cast<uint32_t*>(smem + layout.grab);  // (2) thread 0 -> producer
     int grabs = 0;
     bool any_tile = false;
@@ -336,15 +342,30 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
           if (t + 2 < num_tiles) next_tile = args.tiles[lo + t + 2];
         }
       }
-      // The next range: thread 0 takes it from the counter; two slots, so a fast thread 0 never
-      // overwrites the one the others are still reading.
-      if (thread == 0) grab_slots[grabs & 1] = atomicAdd(args.tile_counter, grab);
-      ptx::named_barrier_sync(4, kPipelinedProducerThreads);
-      const uint32_t taken = grab_slots[grabs & 1];
-      ++grabs;
-      if (taken >= dealt) break;
-      lo = begin + fixed + taken;
-      num_tiles = int(min(grab, dealt - taken));
+      // The next range: thread 0 takes it from the segment's counter; two slots, so a fast thread 0
+      // never overwrites the one the others are still reading. Once the segment's counter is spent,
+      // the fixed share of the next segment.
+      int64_t seg_key = args.first_key + int64_t(segment) * args.segment_keys;
+      uint32_t seg_begin = args.tile_offsets[seg_key];
+      TileSplit split = split_tiles(args.tile_offsets[seg_key + args.segment_keys] - seg_begin, gridDim.x);
+      uint32_t taken = 0;
+      if (split.dealt > 0) {
+        if (thread == 0) grab_slots[grabs & 1] = atomicAdd(args.tile_counters + segment, split.grab);
+        ptx::named_barrier_sync(4, kPipelinedProducerThreads);
+        taken = grab_slots[grabs & 1];
+        ++grabs;
+      }
+      if (taken < split.dealt) {
+        lo = seg_begin + split.fixed + taken;
+        num_tiles = int(min(split.grab, split.dealt - taken));
+        continue;
+      }
+      if (++segment == segments) break;
+      seg_key += args.segment_keys;
+      seg_begin = args.tile_offsets[seg_key];
+      split = split_tiles(args.tile_offsets[seg_key + args.segment_keys] - seg_begin, gridDim.x);
+      lo = seg_begin + share_bound(split.fixed, blockIdx.x, gridDim.x);
+      num_tiles = int(share_bound(split.fixed, blockIdx.x + 1, gridDim.x) - share_bound(split.fixed, blockIdx.x, gridDim.x));
     }
     if (pending) {
       ptx::cp_async_wait<0>();
