@@ -7,8 +7,10 @@
 // token's 16 query rows (4 KB, contiguous, at a random token of a 16K-row chunk: 268 MB, far past
 // L2) and writes 16 partial rows of 256 bytes per token, 4 KB apart (partials [rows, H = 64,
 // K = 16, D = 128] in a 4.3 GB buffer). One warp moves one token. Modes: the reads alone, the
-// writes alone, both (the tile kernel's mix), and a sequential read and copy of the same bytes as
-// the ceiling of plain streaming. Prints TB/s counting the bytes each mode moves.
+// writes alone, both (the tile kernel's mix), the writes alone and both with a token's M heads of
+// one slot adjacent ([rows, H / M, K, M, D]: one 4 KB piece per token), the combine's reads of
+// every partial in either layout, and a sequential read and copy of the same bytes as the ceiling
+// of plain streaming. Prints TB/s counting the bytes each mode moves.
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
@@ -48,8 +50,10 @@ __device__ __forceinline__ uint32_t mix(uint32_t x) {
   return x;
 }
 
-// Tiles are walked by a persistent grid; tile i's token w is a hash of (i, w).
-template <int kMode>
+// Tiles are walked by a persistent grid; tile i's token w is a hash of (i, w). kHeadsAdjacent
+// writes the partials as [rows, H / M, K, M, D] (a token's M heads of one slot adjacent: one 4 KB
+// piece per token) instead of [rows, H, K, D] (16 rows of 256 bytes, 4 KB apart).
+template <int kMode, bool kHeadsAdjacent = false>
 __global__ void __launch_bounds__(kThreads)
     scattered_tiles(const uint4* q, uint4* out, int64_t tiles, uint4* sink) {
   const int warp = threadIdx.x / 32;
@@ -76,7 +80,10 @@ __global__ void __launch_bounds__(kThreads)
       const int index = c * 32 + lane;
       const size_t head_row = row + index / 16;
       if constexpr (kMode & kWrite) {
-        out[(head_row * kSlots + slot) * (kRowBytes / 16) + index % 16] = data[c];
+        const size_t out_row = kHeadsAdjacent ? (size_t(token) * kGroups + group) * kSlots * kGroupHeads +
+                                                    size_t(slot) * kGroupHeads + index / 16
+                                              : head_row * kSlots + slot;
+        out[out_row * (kRowBytes / 16) + index % 16] = data[c];
       } else {
         acc.x ^= data[c].x;
         acc.y ^= data[c].y;
@@ -86,6 +93,36 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
   if (acc.x == 0x12345678u) sink[threadIdx.x] = acc;  // keeps the reads of the read-only mode
+}
+
+// The combine's reads: one warp per (row, group) region of M · K partial rows (64 KB, contiguous in
+// both layouts), head after head, each head's K slots as 16-byte pieces by the two half-warps. As
+// [rows, H, K, D] a head's slots are one 4 KB piece; as [rows, H / M, K, M, D] they are 256 bytes
+// each, 4 KB apart.
+template <bool kHeadsAdjacent>
+__global__ void __launch_bounds__(256) combine_reads(const uint4* partial, int64_t regions, uint4* sink) {
+  const int lane = threadIdx.x % 32;
+  const int half = lane / 16;
+  uint4 acc = make_uint4(0, 0, 0, 0);
+  for (int64_t region = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32; region < regions;
+       region += int64_t(gridDim.x) * blockDim.x / 32) {
+    const uint4* base = partial + region * kGroupHeads * kSlots * (kRowBytes / 16) + lane % 16;
+    for (int m = 0; m < kGroupHeads; ++m) {
+      uint4 loaded[kSlots / 2];
+#pragma unroll
+      for (int u = 0; u < kSlots / 2; ++u) {
+        const int slot = 2 * u + half;
+        const int row = kHeadsAdjacent ? slot * kGroupHeads + m : m * kSlots + slot;
+        loaded[u] = __ldcg(base + row * (kRowBytes / 16));
+      }
+#pragma unroll
+      for (int u = 0; u < kSlots / 2; ++u) {
+        acc.x ^= loaded[u].x;
+        acc.y ^= loaded[u].y;
+      }
+    }
+  }
+  if (acc.x == 0x12345678u) sink[threadIdx.x % kThreads] = acc;
 }
 
 __global__ void sequential_copy(const uint4* in, uint4* out, int64_t count, uint4* sink,
@@ -165,6 +202,28 @@ int main(int argc, char** argv) {
   report("scattered 256 B writes", scattered(std::integral_constant<int, kWrite>()), one_way);
   report("both (the tile kernel's mix)", scattered(std::integral_constant<int, kBoth>()),
          2 * one_way);
+  // The same with a token's M heads of one slot adjacent in the partials.
+  auto adjacent = [&](auto mode) {
+    return [&, mode](cudaStream_t stream) {
+      scattered_tiles<decltype(mode)::value, true>
+          <<<grid, kThreads, 0, stream>>>(q.get(), out.get(), tiles, sink.get());
+    };
+  };
+  report("4 KB writes, heads adjacent", adjacent(std::integral_constant<int, kWrite>()), one_way);
+  report("both, heads adjacent", adjacent(std::integral_constant<int, kBoth>()), 2 * one_way);
+  const int64_t regions = int64_t(kRows) * kGroups;
+  report(
+      "combine reads, [rows, H, K, D]",
+      [&](cudaStream_t stream) {
+        combine_reads<false><<<grid, 256, 0, stream>>>(out.get(), regions, sink.get());
+      },
+      double(kOutBytes));
+  report(
+      "combine reads, heads adjacent",
+      [&](cudaStream_t stream) {
+        combine_reads<true><<<grid, 256, 0, stream>>>(out.get(), regions, sink.get());
+      },
+      double(kOutBytes));
   const int64_t count = int64_t(kOutBytes / 16);
   report(
       "sequential read",
