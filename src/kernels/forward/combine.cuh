@@ -8,7 +8,8 @@
 // (shared by those heads) and the proxy LSE are read once. Per head the two half-warps take
 // alternate slots and lane l owns dims 8·(l % 16) … + 7, so each load instruction reads two partial
 // rows as 16-byte pieces and a warp has up to 16 rows (4 KB) in flight; the halves' sums meet
-// through one shuffle. The first sixteen slots are requested before the head's LSE loads. Slots
+// through one shuffle. The partials of a (row, proxy head) are one M·K·D region
+// ([chunk_rows, Hp, K, M, D], config.h), read head after head, a head's slots M·D apart. The first sixteen slots are requested before the head's LSE loads. Slots
 // whose block_idx entry is −1 were never written and are skipped.
 #pragma once
 
@@ -20,8 +21,8 @@ namespace flashmsa::kernels::forward {
 
 template <typename Element>
 struct CombineArgs {
-  const Element* partial_out;      // [chunk_rows, H, K, D]
-  const float* partial_lse;        // [chunk_rows, H, K]
+  const Element* partial_out;      // [chunk_rows, Hp, K, M, D] (config.h partial_index)
+  const float* partial_lse;        // [chunk_rows, Hp, K, M]
   const float* partial_proxy_lse;  // [chunk_rows, Hp, K]
   const int32_t* block_idx;        // [b, hp, s, k]
   Strided<Element> out;            // [b, s, h, d]
@@ -81,7 +82,9 @@ __global__ void __launch_bounds__(256, 3) sparse_forward_combine(const CombineAr
   const int64_t b = flat_row / args.seqlen;
   const int64_t i = flat_row % args.seqlen;
   const int K = args.top_k;
+  const int M = args.heads_per_proxy;
   const int half = lane / 16;
+  const int slot_stride = M * (kHeadDim / 8);  // 16-byte pieces between a head's slots
 
   // ---- the selection: which slots hold a partial ---------------------------------------------
   const int32_t* selection = args.block_idx + ((b * args.num_proxy_heads + proxy_head) * args.seqlen + i) * K;
@@ -100,16 +103,17 @@ __global__ void __launch_bounds__(256, 3) sparse_forward_combine(const CombineAr
     }
   }
 
-  for (int m = 0; m < args.heads_per_proxy; ++m) {
+  for (int m = 0; m < M; ++m) {
     const int head = proxy_head * args.heads_per_proxy + m;
     // The masks re-enter the loop opaque: otherwise the compiler hoists every slot's keep mask out
     // of it and spills them.
     uint32_t mask0 = valid_mask0;
     uint32_t mask1 = valid_mask1;
     asm volatile("" : "+r"(mask0), "+r"(mask1));
-    const int64_t partial_row = local_row * args.num_heads + head;
-    const uint4* partial = reinterpret_cast<const uint4*>(args.partial_out + partial_row * K * kHeadDim) +
-                           half * (kHeadDim / 8) + lane % 16;
+    // (row, proxy head, slot 0, m): slot s is s · M entries further.
+    const int64_t head_first = partial_index(local_row, proxy_head, 0, m, args.num_proxy_heads, K, M);
+    const uint4* partial = reinterpret_cast<const uint4*>(args.partial_out + head_first * kHeadDim) +
+                           half * slot_stride + lane % 16;
     // Slots first + 2u + half, u < 8, one 16-byte piece each. Unconditional: a slot past K reads
     // slot 0 (always present; `partial` already points `half` slots in) and is discarded by the
     // sum, so the eight loads carry no predicate. Sixteen slots present (K = 16 has only those) are
@@ -117,12 +121,12 @@ __global__ void __launch_bounds__(256, 3) sparse_forward_combine(const CombineAr
     auto load_slots = [&](int first, uint4 (&loaded)[8]) {
       if (first + 16 <= K) {
 #pragma unroll
-        for (int u = 0; u < 8; ++u) loaded[u] = __ldg(partial + (first + 2 * u) * (kHeadDim / 8));
+        for (int u = 0; u < 8; ++u) loaded[u] = __ldg(partial + (first + 2 * u) * slot_stride);
       } else {
 #pragma unroll
         for (int u = 0; u < 8; ++u) {
           const int slot = first + 2 * u + half < K ? first + 2 * u : -half;
-          loaded[u] = __ldg(partial + slot * (kHeadDim / 8));
+          loaded[u] = __ldg(partial + slot * slot_stride);
         }
       }
     };
@@ -132,9 +136,9 @@ __global__ void __launch_bounds__(256, 3) sparse_forward_combine(const CombineAr
     load_slots(0, loaded);
 
     // ---- weights of the partials ----------------------------------------------------------------
-    const float* lse_row = args.partial_lse + partial_row * K;
-    const float stored0 = lane < K ? lse_row[lane] : kNegInf;
-    const float stored1 = lane + 32 < K ? lse_row[lane + 32] : kNegInf;
+    const float* lse_row = args.partial_lse + head_first;
+    const float stored0 = lane < K ? lse_row[lane * M] : kNegInf;
+    const float stored1 = lane + 32 < K ? lse_row[(lane + 32) * M] : kNegInf;
     const float lse0 = valid0 ? stored0 : kNegInf;
     const float lse1 = valid1 ? stored1 : kNegInf;
     const float2 parts = warp_logsumexp_parts(lse0, lse1);

@@ -7,7 +7,9 @@
 // A work tile is (b, KV head g, KV block c, proxy head p, ≤ ⌊128/M⌋ tokens that chose c): its
 // 128 gathered query rows (token-major, the M heads of a token adjacent) attend to the 128 keys of
 // block c. The tile writes, per (row, head, slot), a partial output normalised by its own sum and
-// the partial LSE; the combine merges the ≤ K partials of a (row, head) by their LSEs.
+// the partial LSE; the combine merges the ≤ K partials of a (row, head) by their LSEs. Partials are
+// laid out [chunk_rows, Hp, K, M, D] (partial_index): a token's M heads of one slot are adjacent,
+// so a tile writes one contiguous M·D piece per token.
 #pragma once
 
 #include <cstddef>
@@ -137,13 +139,20 @@ inline PipelinedLayout make_pipelined_layout(const ProblemShape& shape) {
   return make_pipelined_layout(shape, 2);
 }
 
+// Index of (row, proxy head, slot, head m of the proxy head's M) in the partials [chunk_rows, Hp,
+// K, M] (times D for the outputs); rows are flattened (b · S + i) minus the chunk's first row.
+__host__ __device__ constexpr int64_t partial_index(int64_t row, int proxy_head, int slot, int m,
+                                                    int num_proxy_heads, int top_k, int heads_per_proxy) {
+  return ((row * num_proxy_heads + proxy_head) * top_k + slot) * heads_per_proxy + m;
+}
+
 // Byte offsets of the per-chunk partial buffers inside the forward workspace (reused by every
 // chunk). Rows are flattened (b · S + i) minus the chunk's first row.
 struct ForwardLayout {
   int64_t chunk_rows = 0;
   size_t tile_counters = 0;      // uint32 per (chunk, segment), zeroed by the forward before its first chunk
-  size_t partial_out = 0;        // 16-bit [chunk_rows, H, K, D]
-  size_t partial_lse = 0;        // fp32 [chunk_rows, H, K]
+  size_t partial_out = 0;        // 16-bit [chunk_rows, Hp, K, M, D]
+  size_t partial_lse = 0;        // fp32 [chunk_rows, Hp, K, M]
   size_t partial_proxy_lse = 0;  // fp32 [chunk_rows, Hp, K]
   size_t total = 0;
 };

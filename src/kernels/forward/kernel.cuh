@@ -69,8 +69,8 @@ struct TileArgs {
   int64_t chunk_first_row;          // flattened b · S + i of the chunk's first row
   uint32_t* tile_counters;          // this chunk's counters of tiles dealt on demand, one per
                                     // segment (pipelined kernel)
-  Element* partial_out;             // [chunk_rows, H, K, D]
-  float* partial_lse;               // [chunk_rows, H, K]
+  Element* partial_out;             // [chunk_rows, Hp, K, M, D] (config.h partial_index)
+  float* partial_lse;               // [chunk_rows, Hp, K, M]
   float* partial_proxy_lse;         // [chunk_rows, Hp, K]
   int seqlen;
   int num_blocks;
@@ -345,8 +345,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
         const int token = row / M;
         if (lane % 4 == 0 && row < tile_rows && token < count) {
           const int64_t flat_row = int64_t(b) * args.seqlen + token_row[token] - args.chunk_first_row;
-          const int head = proxy_head * M + row % M;
-          args.partial_lse[(flat_row * args.num_heads + head) * args.top_k + token_slot[token]] =
+          args.partial_lse[partial_index(flat_row, proxy_head, token_slot[token], row % M,
+                                         args.num_proxy_heads, args.top_k, M)] =
               (row_max[m_tile][half] + log2f(sum)) * kLn2;
         }
       }
@@ -359,9 +359,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
       const int token = row / M;
       if (row < tile_rows && token < count) {
         const int64_t flat_row = int64_t(b) * args.seqlen + token_row[token] - args.chunk_first_row;
-        const int head = proxy_head * M + row % M;
         Element* dst = args.partial_out +
-                       ((flat_row * args.num_heads + head) * args.top_k + token_slot[token]) * kHeadDim +
+                       partial_index(flat_row, proxy_head, token_slot[token], row % M, args.num_proxy_heads,
+                                     args.top_k, M) * kHeadDim +
                        chunk * 8;
         *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(q_tile + swizzle(row, chunk));
       }

@@ -53,7 +53,7 @@ struct StageMeta {
   // Producer only: address of q at (b, token, first head of the group); padding tokens hold the
   // list's row 0, so every copy's source address is valid (padding copies read 0 bytes).
   uint64_t q_address[kPipelinedMaxTokens];
-  int64_t out_offset[kPipelinedMaxTokens];  // element offset in the partials of (token, first head, slot)
+  int64_t out_offset[kPipelinedMaxTokens];  // element offset in the partials of (token, slot, first head)
   int32_t token_row[kPipelinedMaxTokens];   // query position of each token (padding: never masked)
   int32_t token_slot[kPipelinedMaxTokens];  // slot of the block in that token's block_idx row
   uint32_t key;                   // the schedule's list key (b, g, c, proxy head)
@@ -196,7 +196,7 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
     // Per list (decoded when the key changes): the key, and the offsets shared by its tiles.
     ListKey key{};
     int64_t q_list = 0;    // q element offset of (b, 0, first head of the proxy group)
-    int64_t out_list = 0;  // partial element offset of (row −chunk_first_row + b·S, first head, slot 0)
+    int64_t out_list = 0;  // partial element offset of (row −chunk_first_row + b·S, proxy head, slot 0)
     const Element* qp_list = args.q_proxy.ptr;  // q_proxy row 0 of (b, proxy head), this thread's chunk
     uint32_t last_key = 0xffffffffu;
     // Descriptors run two tiles ahead, entries one tile ahead of the copies.
@@ -250,8 +250,8 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
         if (new_list) {
           key = decode_list_key(key_value, args);
           q_list = int64_t(key.b) * args.q.batch_stride + int64_t(key.proxy_head) * M * args.q.head_stride;
-          out_list = (int64_t(key.b) * args.seqlen - args.chunk_first_row) * out_row_stride +
-                     int64_t(key.proxy_head) * M * args.top_k * kHeadDim;
+          out_list = partial_index(int64_t(key.b) * args.seqlen - args.chunk_first_row, key.proxy_head, 0, 0,
+                                   args.num_proxy_heads, args.top_k, M) * kHeadDim;
           qp_list = args.q_proxy.ptr + int64_t(key.b) * args.q_proxy.batch_stride +
                     int64_t(key.proxy_head) * args.q_proxy.head_stride + chunk * 8;
         }
@@ -276,7 +276,7 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
           stage_meta.token_slot[thread] = slot;
           const int64_t q_offset = has_entry ? q_list + int64_t(row) * args.q.seq_stride : q_list;
           stage_meta.q_address[thread] = reinterpret_cast<uint64_t>(args.q.ptr + q_offset);
-          stage_meta.out_offset[thread] = out_list + int64_t(row) * out_row_stride + slot * kHeadDim;
+          stage_meta.out_offset[thread] = out_list + int64_t(row) * out_row_stride + slot * M * kHeadDim;
           if (thread == 0) {
             stage_meta.key = key_value;
             stage_meta.count = count;
@@ -392,12 +392,12 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
   for (int half = 0; half < 2; ++half) acc_token[half] = min((row0 + half * 8) / M, kPipelinedMaxTokens - 1);
   // The epilogue's store rows: consumer·64 + 8·i + wg_thread / 16, i < 8 (fixed per thread).
   int store_token[8];
-  int store_offset[8];  // (head in the group) · K · D + this thread's 16-byte chunk
+  int store_offset[8];  // (head in the group) · D + this thread's 16-byte chunk
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
     const int row = consumer * 64 + 8 * i + wg_thread / 16;
     store_token[i] = min(row / M, kPipelinedMaxTokens - 1);
-    store_offset[i] = (row % M) * args.top_k * kHeadDim + (wg_thread % 16) * 8;
+    store_offset[i] = (row % M) * kHeadDim + (wg_thread % 16) * 8;
   }
   // The epilogue's staging stores (stmatrix, one per 16 output columns): lane l addresses row
   // 8·((l/8) % 2) + l % 8 of its warp's 16 and 16-byte chunk 2k + l/16 of k-pair k; the swizzle
@@ -569,7 +569,7 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
       const int row = row0 + half * 8;
       if (lane % 4 == 0 && row < valid_rows) {
         const uint64_t out_offset = uint64_t(stage_meta.out_offset[acc_token[half]]);  // a multiple of D
-        const int64_t index = int64_t(out_offset / kHeadDim) + int64_t(row % M) * args.top_k;
+        const int64_t index = int64_t(out_offset / kHeadDim) + row % M;
         args.partial_lse[index] = (scaled_max[half] + log2_approx(row_sum[half])) * kLn2;
       }
     }
