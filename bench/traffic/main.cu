@@ -191,26 +191,23 @@ int main(int argc, char** argv) {
     std::printf("%-34s %10.3f %10.2f %8.3f\n", name, ms, bytes / 1e9, bytes / (ms * 1e-3) / 1e12);
   };
   const double one_way = tile_bytes * double(tiles);
-  // The scattered tiles in one mode (kRead, kWrite or kBoth), as a benchmark's work.
-  auto scattered = [&](auto mode) {
-    return [&, mode](cudaStream_t stream) {
-      scattered_tiles<decltype(mode)::value>
+  // The scattered tiles in one mode (kRead, kWrite or kBoth) and partial layout, as a benchmark's
+  // work.
+  auto scattered = [&](auto mode, auto heads_adjacent) {
+    return [&, mode, heads_adjacent](cudaStream_t stream) {
+      scattered_tiles<decltype(mode)::value, decltype(heads_adjacent)::value>
           <<<grid, kThreads, 0, stream>>>(q.get(), out.get(), tiles, sink.get());
     };
   };
-  report("scattered 4 KB reads", scattered(std::integral_constant<int, kRead>()), one_way);
-  report("scattered 256 B writes", scattered(std::integral_constant<int, kWrite>()), one_way);
-  report("both (the tile kernel's mix)", scattered(std::integral_constant<int, kBoth>()),
-         2 * one_way);
+  using Read = std::integral_constant<int, kRead>;
+  using Write = std::integral_constant<int, kWrite>;
+  using Both = std::integral_constant<int, kBoth>;
+  report("scattered 4 KB reads", scattered(Read(), std::false_type()), one_way);
+  report("scattered 256 B writes", scattered(Write(), std::false_type()), one_way);
+  report("both (the tile kernel's mix)", scattered(Both(), std::false_type()), 2 * one_way);
   // The same with a token's M heads of one slot adjacent in the partials.
-  auto adjacent = [&](auto mode) {
-    return [&, mode](cudaStream_t stream) {
-      scattered_tiles<decltype(mode)::value, true>
-          <<<grid, kThreads, 0, stream>>>(q.get(), out.get(), tiles, sink.get());
-    };
-  };
-  report("4 KB writes, heads adjacent", adjacent(std::integral_constant<int, kWrite>()), one_way);
-  report("both, heads adjacent", adjacent(std::integral_constant<int, kBoth>()), 2 * one_way);
+  report("4 KB writes, heads adjacent", scattered(Write(), std::true_type()), one_way);
+  report("both, heads adjacent", scattered(Both(), std::true_type()), 2 * one_way);
   const int64_t regions = int64_t(kRows) * kGroups;
   report(
       "combine reads, [rows, H, K, D]",

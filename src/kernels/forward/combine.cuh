@@ -9,8 +9,9 @@
 // alternate slots and lane l owns dims 8·(l % 16) … + 7, so each load instruction reads two partial
 // rows as 16-byte pieces and a warp has up to 16 rows (4 KB) in flight; the halves' sums meet
 // through one shuffle. The partials of a (row, proxy head) are one M·K·D region
-// ([chunk_rows, Hp, K, M, D], config.h), read head after head, a head's slots M·D apart. The first sixteen slots are requested before the head's LSE loads. Slots
-// whose block_idx entry is −1 were never written and are skipped.
+// ([chunk_rows, Hp, K, M, D], config.h), read head after head, a head's slots M·D apart. The first
+// sixteen slots are requested before the head's LSE loads. Slots whose block_idx entry is −1 were
+// never written and are skipped.
 #pragma once
 
 #include <cstdint>

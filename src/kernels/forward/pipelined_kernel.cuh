@@ -212,11 +212,20 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
     int segment = 0;
     uint32_t lo = 0;
     int num_tiles = 0;
-    {
-      const uint32_t seg_begin = args.tile_offsets[args.first_key];
-      const TileSplit split = split_tiles(args.tile_offsets[args.first_key + args.segment_keys] - seg_begin, gridDim.x);
+    // The segment whose first list key is seg_key: its first tile and split.
+    auto segment_split = [&](int64_t seg_key, uint32_t& seg_begin) {
+      seg_begin = args.tile_offsets[seg_key];
+      return split_tiles(args.tile_offsets[seg_key + args.segment_keys] - seg_begin, gridDim.x);
+    };
+    // This CTA's equal share of the segment's fixed tiles.
+    auto take_fixed_share = [&](uint32_t seg_begin, const TileSplit& split) {
       lo = seg_begin + share_bound(split.fixed, blockIdx.x, gridDim.x);
       num_tiles = int(share_bound(split.fixed, blockIdx.x + 1, gridDim.x) - share_bound(split.fixed, blockIdx.x, gridDim.x));
+    };
+    {
+      uint32_t seg_begin = 0;
+      const TileSplit split = segment_split(args.first_key, seg_begin);
+      take_fixed_share(seg_begin, split);
     }
     uint32_t* grab_slots = reinterpret_cast<uint32_t*>(smem + layout.grab);  // (2) thread 0 -> producer
     int grabs = 0;
@@ -346,8 +355,8 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
       // never overwrites the one the others are still reading. Once the segment's counter is spent,
       // the fixed share of the next segment.
       int64_t seg_key = args.first_key + int64_t(segment) * args.segment_keys;
-      uint32_t seg_begin = args.tile_offsets[seg_key];
-      TileSplit split = split_tiles(args.tile_offsets[seg_key + args.segment_keys] - seg_begin, gridDim.x);
+      uint32_t seg_begin = 0;
+      TileSplit split = segment_split(seg_key, seg_begin);
       uint32_t taken = 0;
       if (split.dealt > 0) {
         if (thread == 0) grab_slots[grabs & 1] = atomicAdd(args.tile_counters + segment, split.grab);
@@ -362,10 +371,8 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
       }
       if (++segment == segments) break;
       seg_key += args.segment_keys;
-      seg_begin = args.tile_offsets[seg_key];
-      split = split_tiles(args.tile_offsets[seg_key + args.segment_keys] - seg_begin, gridDim.x);
-      lo = seg_begin + share_bound(split.fixed, blockIdx.x, gridDim.x);
-      num_tiles = int(share_bound(split.fixed, blockIdx.x + 1, gridDim.x) - share_bound(split.fixed, blockIdx.x, gridDim.x));
+      split = segment_split(seg_key, seg_begin);
+      take_fixed_share(seg_begin, split);
     }
     if (pending) {
       ptx::cp_async_wait<0>();
