@@ -150,7 +150,8 @@ __host__ __device__ constexpr int64_t partial_index(int64_t row, int proxy_head,
 // chunk). Rows are flattened (b · S + i) minus the chunk's first row.
 struct ForwardLayout {
   int64_t chunk_rows = 0;
-  size_t tile_counters = 0;      // uint32 per (chunk, segment), zeroed by the forward before its first chunk
+  int64_t num_tile_counters = 0; // one per (chunk, segment)
+  size_t tile_counters = 0;      // uint32 [num_tile_counters], zeroed by the forward before its first chunk
   size_t partial_out = 0;        // 16-bit [chunk_rows, Hp, K, M, D]
   size_t partial_lse = 0;        // fp32 [chunk_rows, Hp, K, M]
   size_t partial_proxy_lse = 0;  // fp32 [chunk_rows, Hp, K]
@@ -162,8 +163,9 @@ inline ForwardLayout make_forward_layout(const ProblemShape& shape) {
   layout.chunk_rows = schedule::chunk_rows(shape);
   const size_t row_heads = size_t(layout.chunk_rows) * shape.num_heads * shape.top_k;
   size_t offset = 0;
+  layout.num_tile_counters = schedule::num_chunks(shape) * segments_per_chunk(shape);
   layout.tile_counters = offset;
-  offset += schedule::align_up(size_t(schedule::num_chunks(shape) * segments_per_chunk(shape)) * 4);
+  offset += schedule::align_up(size_t(layout.num_tile_counters) * 4);
   layout.partial_out = offset;
   offset += schedule::align_up(row_heads * shape.head_dim * 2);
   layout.partial_lse = offset;

@@ -131,7 +131,7 @@ Status run_forward(const ForwardParams& params, cudaStream_t stream) {
   const int64_t total_rows = shape.batch * shape.seqlen;
   uint32_t* tile_counters = reinterpret_cast<uint32_t*>(workspace + layout.tile_counters);
   const int64_t segments = segments_per_chunk(shape);
-  if (Status s = cuda_status(cudaMemsetAsync(tile_counters, 0, size_t(schedule::num_chunks(shape) * segments) * 4, stream),
+  if (Status s = cuda_status(cudaMemsetAsync(tile_counters, 0, size_t(layout.num_tile_counters) * 4, stream),
                              "tile counters");
       !s.ok()) {
     return s;
