@@ -39,6 +39,7 @@ struct ForwardCase {
   bool bhsd;
   Selection selection;
   int sampled_rows;  // 0: every row
+  double v_scale = 1.0;  // V times this power of two (exact in the dtype): partial outputs near the dtype's range
 };
 
 void PrintTo(const ForwardCase& c, std::ostream* os) { *os << c.name; }
@@ -63,7 +64,8 @@ TEST_P(ForwardTest, MatchesReference) {
                                                   c.num_proxy_heads, c.num_proxy_kv_heads, c.top_k);
   const uint64_t seed = testing::test_seed(c.name);
   FLASHMSA_SEED_TRACE(seed);
-  const reference::Inputs inputs = reference::random_inputs(shape, seed, c.dtype);
+  reference::Inputs inputs = reference::random_inputs(shape, seed, c.dtype);
+  for (double& value : inputs.v) value *= c.v_scale;
   const reference::QueryRows rows = sample_rows(c, seed);
 
   std::vector<int32_t> block_idx;
@@ -182,6 +184,10 @@ INSTANTIATE_TEST_SUITE_P(
         ForwardCase{"specialized_s3000_k2_fp16_bhsd", 64, 4, 16, 1, 1, 3000, 2, kFP16, true, kRandom, 16},
         ForwardCase{"seed_b2_s3000_k16_bf16", 16, 2, 4, 1, 2, 3000, 16, kBF16, false, kRandom, 32},
         ForwardCase{"seed_s1000_k1_fp16", 16, 2, 4, 1, 1, 1000, 1, kFP16, false, kRandom, 0},
+        // V near the dtype's range (|v| up to ≈ 10⁴ in fp16, ≈ 10³⁴ in bf16): partial outputs are
+        // averages of V and stay in range; in fp16 a block's Σ p·v (up to 128 · max |v|) would not.
+        ForwardCase{"paper_s2100_k16_fp16_large_v", 64, 4, 4, 1, 1, 2100, 16, kFP16, false, kRandom, 24, 2048.0},
+        ForwardCase{"seed_s1500_k16_bf16_large_v", 16, 2, 4, 1, 1, 1500, 16, kBF16, true, kRandom, 32, 0x1p113},
         ForwardCase{"seed_s777_k64_bf16_bhsd", 16, 2, 4, 1, 1, 777, 64, kBF16, true, kRandom, 32},
         // Odd head maps: M = 4 with G = 12 and R = 3; M = 12 (10 tokens, 120 rows per tile); M = 1.
         ForwardCase{"odd_h48_hkv4_hp12_hpk4_s1000_k16", 48, 4, 12, 4, 1, 1000, 16, kBF16, false, kRandom, 32},
