@@ -105,7 +105,7 @@ __global__ void __launch_bounds__(256, 3) sparse_forward_combine(const CombineAr
   }
 
   for (int m = 0; m < M; ++m) {
-    const int head = proxy_head * args.heads_per_proxy + m;
+    const int head = proxy_head * M + m;
     // The masks re-enter the loop opaque: otherwise the compiler hoists every slot's keep mask out
     // of it and spills them.
     uint32_t mask0 = valid_mask0;
