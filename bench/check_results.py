@@ -1,7 +1,7 @@
-"""CI check of the committed GPU results: bench/results/h200.json parses, follows the schema of
-SPEC.md "Results file" and names a commit of this repository (and so does every row that carries
-its own commit, from an earlier run). Passes with a message when the file
-does not exist yet."""
+"""CI check of the committed GPU results: bench/results/h200.json (and h100.json, the same schema
+for checks run on an H100) parses, follows the schema of SPEC.md "Results file" and names a commit
+of this repository (and so does every row that carries its own commit, from an earlier run).
+Passes with a message when h200.json does not exist yet."""
 import json
 import os
 import subprocess
@@ -9,6 +9,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PATH = os.path.join(ROOT, "bench", "results", "h200.json")
+H100_PATH = os.path.join(ROOT, "bench", "results", "h100.json")
 STAGES = {"select", "schedule", "forward", "backward", "fwd_bwd", "step", "warmup_fwd", "warmup_fwd_bwd", "warmup_kl"}
 
 
@@ -17,12 +18,7 @@ def is_commit(sha):
                                         capture_output=True).returncode == 0
 
 
-def main():
-    if not os.path.exists(PATH):
-        print("check_results: no bench/results/h200.json yet; nothing to check")
-        return 0
-    with open(PATH) as f:
-        result = json.load(f)
+def schema_errors(result):
     errors = []
     commit = result.get("commit", "")
     if not is_commit(commit):
@@ -40,11 +36,36 @@ def main():
             errors.append("rows[%d]: ms must be a positive number" % index)
         if "commit" in row and not is_commit(row["commit"]):  # a row carried from an earlier run
             errors.append("rows[%d]: commit %r is not a commit of this repository" % (index, row["commit"]))
-    for error in errors:
-        print("check_results: " + error, file=sys.stderr)
-    if errors:
+    traffic = result.get("traffic")  # flashmsa_traffic's access-mix rates, when measured
+    if traffic is not None:
+        modes = traffic.get("modes") if isinstance(traffic, dict) else None
+        if not modes or not all(isinstance(m.get("tbps"), (int, float)) and m["tbps"] > 0 for m in modes):
+            errors.append("traffic: needs a non-empty \"modes\" list with positive \"tbps\"")
+        if isinstance(traffic, dict) and "commit" in traffic and not is_commit(traffic["commit"]):
+            errors.append("traffic: commit %r is not a commit of this repository" % traffic["commit"])
+    return errors
+
+
+def main():
+    if not os.path.exists(PATH):
+        print("check_results: no bench/results/h200.json yet; nothing to check")
+        return 0
+    failed = False
+    for path in (PATH, H100_PATH):
+        if not os.path.exists(path):
+            continue
+        name = os.path.basename(path)
+        with open(path) as f:
+            result = json.load(f)
+        errors = schema_errors(result)
+        for error in errors:
+            print("check_results: %s: %s" % (name, error), file=sys.stderr)
+        if errors:
+            failed = True
+        else:
+            print("check_results: %s ok (commit %s, %d rows)" % (name, result["commit"][:10], len(result["rows"])))
+    if failed:
         return 1
-    print("check_results: h200.json ok (commit %s, %d rows)" % (commit[:10], len(result["rows"])))
     return subprocess.run([sys.executable, os.path.join(ROOT, "bench", "report.py"), "--check"]).returncode
 
 

@@ -67,6 +67,9 @@ def main():
                         help="an earlier results file: its rows for (system, stage, config, pattern, S, "
                              "B) that this run did not measure are kept, each with the commit it was "
                              "measured at (for a run cut short; the README table shows that commit)")
+    parser.add_argument("--traffic", default="",
+                        help="flashmsa_traffic --out: the forward tile kernel's access mix alone, "
+                             "stored as the file's \"traffic\" entry (an earlier file's is carried)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
@@ -100,6 +103,18 @@ def main():
         "rows": rows,
         "skipped": skipped,  # anchors left out, each {"system", "S", "reason"}
     }
+    traffic = None
+    if args.traffic:
+        try:
+            with open(args.traffic) as f:
+                traffic = json.load(f)
+        except (OSError, ValueError) as error:
+            print("results: skipping %s (%s)" % (args.traffic, error), file=sys.stderr)
+    if traffic is None and args.carry and "traffic" in earlier:
+        traffic = dict(earlier["traffic"])
+        traffic.setdefault("commit", earlier["commit"])
+    if traffic is not None:
+        result["traffic"] = traffic
     python_counts = pytest_counts(args.python_tests)
     if python_counts is not None:
         result["tests"]["pytest_tests_python"] = python_counts

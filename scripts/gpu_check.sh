@@ -4,7 +4,8 @@
 #
 #   scripts/gpu_check.sh [BIN_DIR]
 #
-# BIN_DIR holds prebuilt flashmsa_gpu_tests and flashmsa_bench (default: build/, built here if
+# BIN_DIR holds prebuilt flashmsa_gpu_tests and flashmsa_bench, optionally flashmsa_traffic (the
+# access-mix ceiling, kept as the results' "traffic" entry) (default: build/, built here if
 # missing). The commit measured is read from BIN_DIR/COMMIT when present (binaries built elsewhere),
 # else from git. Results go to $RESULTS_DIR (default bench/results) as h200.json plus raw logs; in
 # the default place they also regenerate the README results table and docs/plots (bench/report.py).
@@ -28,7 +29,7 @@ raw="$results_dir/raw"
 mkdir -p "$raw"
 
 if [[ ! -x "$bin_dir/flashmsa_gpu_tests" ]]; then
-  bash "$root/scripts/build.sh" --target flashmsa_gpu_tests flashmsa_bench || exit 1
+  bash "$root/scripts/build.sh" --target flashmsa_gpu_tests flashmsa_bench flashmsa_traffic || exit 1
   bin_dir="$root/build"
 fi
 if [[ -f "$bin_dir/COMMIT" ]]; then
@@ -81,6 +82,15 @@ if [[ "$warmup_seqlens" != "0" ]]; then
   row_files+=("$raw/warmup_rows.json")
 fi
 
+# The forward tile kernel's access mix alone (bench/traffic): how fast its bytes can move on this GPU.
+traffic_args=()
+rm -f "$raw/traffic.json"
+if [[ -x "$bin_dir/flashmsa_traffic" ]]; then
+  echo "== access-mix ceiling (flashmsa_traffic)"
+  "$bin_dir/flashmsa_traffic" --ctas-per-sm 3 --out "$raw/traffic.json" 2>&1 | tee "$raw/traffic.log"
+  [[ -f "$raw/traffic.json" ]] && traffic_args=(--traffic "$raw/traffic.json")
+fi
+
 anchor_rows=()
 if [[ "${ANCHORS:-1}" != "0" ]]; then
   echo "== anchors (torch)"
@@ -99,7 +109,8 @@ fi
 write_results() {
   python3 "$root/bench/results.py" --commit "$commit" --gpu "$gpu" \
     --tests "$raw"/gpu_tests_*.json --python-tests "$raw/python_tests.xml" \
-    --rows "${row_files[@]}" "${anchor_rows[@]}" "${carry_args[@]}" --out "$results_dir/h200.json"
+    --rows "${row_files[@]}" "${anchor_rows[@]}" "${carry_args[@]}" "${traffic_args[@]}" \
+    --out "$results_dir/h200.json"
 }
 write_results >/dev/null  # a first copy, so a PyTorch step cut short still leaves results
 

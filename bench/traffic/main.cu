@@ -1,7 +1,7 @@
 // flashmsa_traffic: the forward tile kernel's DRAM traffic without its arithmetic, to tell how
 // fast that access mix can go on this GPU (design.md "Next", item 10).
 //
-//   flashmsa_traffic [--tiles N] [--ctas-per-sm N]
+//   flashmsa_traffic [--tiles N] [--ctas-per-sm N] [--out FILE]
 //
 // A tile of the paper config (M = 16 heads per proxy head, 8 tokens of a 128-key block) reads each
 // token's 16 query rows (4 KB, contiguous, at a random token of a 16K-row chunk: 268 MB, far past
@@ -10,14 +10,18 @@
 // writes alone, both (the tile kernel's mix), the writes alone and both with a token's M heads of
 // one slot adjacent ([rows, H / M, K, M, D]: one 4 KB piece per token), the combine's reads of
 // every partial in either layout, and a sequential read and copy of the same bytes as the ceiling
-// of plain streaming. Prints TB/s counting the bytes each mode moves.
+// of plain streaming. Prints TB/s counting the bytes each mode moves; --out also writes them as
+// JSON ({"gpu", "ctas_per_sm", "tiles", "modes": [{"mode", "ms", "gb", "tbps"}]}), the
+// "traffic" entry of the results file (scripts/gpu_check.sh).
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
 #include <cstdio>
+#include <fstream>
 #include <optional>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 #include "bench.h"
 #include "common/flags.h"
@@ -146,13 +150,22 @@ __global__ void sequential_copy(const uint4* in, uint4* out, int64_t count, uint
 int main(int argc, char** argv) {
   int64_t tiles = 1 << 20;  // ≈ 34 GB each way, about the 128K paper forward's 1.05M tiles
   int ctas_per_sm = 8;
+  std::string out_path;
   for (int i = 1; i < argc; i += 2) {
     const std::string flag = argv[i];
-    if (flag != "--tiles" && flag != "--ctas-per-sm") {
+    if (flag != "--tiles" && flag != "--ctas-per-sm" && flag != "--out") {
       std::fprintf(stderr, "flashmsa_traffic: unknown flag %s\n", flag.c_str());
       return 2;
     }
     const std::string value = i + 1 < argc ? argv[i + 1] : "";
+    if (flag == "--out") {
+      if (value.empty()) {
+        std::fprintf(stderr, "flashmsa_traffic: --out needs a file name\n");
+        return 2;
+      }
+      out_path = value;
+      continue;
+    }
     std::string error;
     const bool is_tiles = flag == "--tiles";
     const std::optional<int64_t> parsed =
@@ -186,9 +199,15 @@ int main(int argc, char** argv) {
               grid, kThreads, static_cast<long long>(tiles));
   std::printf("%-34s %10s %10s %8s\n", "mode", "ms", "GB", "TB/s");
   // Median of 10 runs, each after an L2 flush (bench.h).
-  auto report = [](const char* name, const std::function<void(cudaStream_t)>& work, double bytes) {
+  struct Measured {
+    std::string mode;
+    double ms, gb, tbps;
+  };
+  std::vector<Measured> measured;
+  auto report = [&](const char* name, const std::function<void(cudaStream_t)>& work, double bytes) {
     const double ms = flashmsa::bench::time_median_ms(work, nullptr, 2, 10);
-    std::printf("%-34s %10.3f %10.2f %8.3f\n", name, ms, bytes / 1e9, bytes / (ms * 1e-3) / 1e12);
+    measured.push_back({name, ms, bytes / 1e9, bytes / (ms * 1e-3) / 1e12});
+    std::printf("%-34s %10.3f %10.2f %8.3f\n", name, ms, bytes / 1e9, measured.back().tbps);
   };
   const double one_way = tile_bytes * double(tiles);
   // The scattered tiles in one mode (kRead, kWrite or kBoth) and partial layout, as a benchmark's
@@ -236,5 +255,20 @@ int main(int argc, char** argv) {
                                                   true);
       },
       double(kOutBytes));
+  if (!out_path.empty()) {
+    std::ofstream out_file(out_path);
+    out_file << "{\"gpu\": \"" << prop.name << "\", \"ctas_per_sm\": " << ctas_per_sm
+             << ", \"tiles\": " << tiles << ", \"modes\": [\n";
+    for (size_t i = 0; i < measured.size(); ++i) {
+      const Measured& m = measured[i];
+      out_file << "  {\"mode\": \"" << m.mode << "\", \"ms\": " << m.ms << ", \"gb\": " << m.gb
+               << ", \"tbps\": " << m.tbps << "}" << (i + 1 < measured.size() ? "," : "") << "\n";
+    }
+    out_file << "]}\n";
+    if (!out_file) {
+      std::fprintf(stderr, "flashmsa_traffic: could not write %s\n", out_path.c_str());
+      return 1;
+    }
+  }
   return 0;
 }
