@@ -69,6 +69,16 @@ inline double time_median_ms(const std::function<void(cudaStream_t)>& work, cuda
   return times[times.size() / 2];
 }
 
+// `text` as a JSON string literal (quotes and backslashes escaped), for the rows files.
+inline std::string json_string(const std::string& text) {
+  std::string quoted = "\"";
+  for (char ch : text) {
+    if (ch == '"' || ch == '\\') quoted += '\\';
+    quoted += ch;
+  }
+  return quoted + "\"";
+}
+
 // Peak device memory in use since the last reset_peak_memory() (cudaMemGetInfo-based).
 double device_memory_used_gb();
 

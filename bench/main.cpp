@@ -42,15 +42,6 @@ std::vector<std::string> split(const std::string& text) {
   return items;
 }
 
-std::string json_string(const std::string& text) {
-  std::string quoted = "\"";
-  for (char ch : text) {
-    if (ch == '"' || ch == '\\') quoted += '\\';
-    quoted += ch;
-  }
-  return quoted + "\"";
-}
-
 void write_json(const std::string& path, const std::vector<Row>& rows) {
   std::ofstream out(path);
   out << "[\n";

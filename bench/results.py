@@ -6,6 +6,23 @@ import json
 import sys
 
 
+def load_or_skip(path):
+    """The JSON in `path`, or None (with a message) when it is missing or does not parse."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as error:
+        print("results: skipping %s (%s)" % (path, error), file=sys.stderr)
+        return None
+
+
+def carried(entry, earlier):
+    """A copy of an entry of the earlier results file `earlier`, naming the commit it measured."""
+    entry = dict(entry)
+    entry.setdefault("commit", earlier["commit"])
+    return entry
+
+
 def test_counts(paths):
     """Counts passed/failed/skipped per suite over GoogleTest JSON reports (one per shard)."""
     suites = {}
@@ -75,11 +92,8 @@ def main():
 
     rows, skipped = [], []
     for path in args.rows:  # a list of rows, or {"rows": [...], "skipped": [...]} (bench/anchors.py)
-        try:
-            with open(path) as f:
-                data = json.load(f)
-        except (OSError, ValueError) as error:
-            print("results: skipping %s (%s)" % (path, error), file=sys.stderr)
+        data = load_or_skip(path)
+        if data is None:
             continue
         rows.extend(data["rows"] if isinstance(data, dict) else data)
         if isinstance(data, dict):
@@ -91,9 +105,7 @@ def main():
         measured = {key(r) for r in rows}
         for row in earlier.get("rows", []):
             if key(row) not in measured:
-                row = dict(row)
-                row.setdefault("commit", earlier["commit"])
-                rows.append(row)
+                rows.append(carried(row, earlier))
     result = {
         "commit": args.commit,
         "gpu": args.gpu,
@@ -103,16 +115,9 @@ def main():
         "rows": rows,
         "skipped": skipped,  # anchors left out, each {"system", "S", "reason"}
     }
-    traffic = None
-    if args.traffic:
-        try:
-            with open(args.traffic) as f:
-                traffic = json.load(f)
-        except (OSError, ValueError) as error:
-            print("results: skipping %s (%s)" % (args.traffic, error), file=sys.stderr)
+    traffic = load_or_skip(args.traffic) if args.traffic else None
     if traffic is None and args.carry and "traffic" in earlier:
-        traffic = dict(earlier["traffic"])
-        traffic.setdefault("commit", earlier["commit"])
+        traffic = carried(earlier["traffic"], earlier)
     if traffic is not None:
         result["traffic"] = traffic
     python_counts = pytest_counts(args.python_tests)

@@ -256,12 +256,13 @@ int main(int argc, char** argv) {
       },
       double(kOutBytes));
   if (!out_path.empty()) {
+    using flashmsa::bench::json_string;
     std::ofstream out_file(out_path);
-    out_file << "{\"gpu\": \"" << prop.name << "\", \"ctas_per_sm\": " << ctas_per_sm
+    out_file << "{\"gpu\": " << json_string(prop.name) << ", \"ctas_per_sm\": " << ctas_per_sm
              << ", \"tiles\": " << tiles << ", \"modes\": [\n";
     for (size_t i = 0; i < measured.size(); ++i) {
       const Measured& m = measured[i];
-      out_file << "  {\"mode\": \"" << m.mode << "\", \"ms\": " << m.ms << ", \"gb\": " << m.gb
+      out_file << "  {\"mode\": " << json_string(m.mode) << ", \"ms\": " << m.ms << ", \"gb\": " << m.gb
                << ", \"tbps\": " << m.tbps << "}" << (i + 1 < measured.size() ? "," : "") << "\n";
     }
     out_file << "]}\n";
