@@ -364,6 +364,7 @@ std::vector<BackwardCase> correctness_cases() {
   list.push_back({"odd_h12_hkv4_hp12", 1, 300, 12, 4, 12, 4, 2});
   list.push_back({"odd_h12_hkv2_hp4_m3", 1, 260, 12, 2, 4, 2, 2, DType::kFP16});
   list.push_back({"hpk_split_group", 1, 270, 8, 2, 8, 4, 2});
+  list.push_back({"own_proxy_keys_m2", 1, 300, 16, 2, 8, 8, 2});  // R = 1: lists of a unit differ in k̃
   list.push_back({"k1_local_only", 2, 333, 8, 2, 2, 1, 1});
   list.push_back({"k_ge_nb_dense", 1, 350, 4, 1, 2, 1, 5});
   list.push_back({"hot", 1, 520, 8, 1, 1, 1, 3, DType::kBF16, Pattern::kHot});

@@ -193,6 +193,9 @@ INSTANTIATE_TEST_SUITE_P(
         ForwardCase{"odd_h48_hkv4_hp12_hpk4_s1000_k16", 48, 4, 12, 4, 1, 1000, 16, kBF16, false, kRandom, 32},
         ForwardCase{"m12_h48_hkv4_hp4_s1500_k2", 48, 4, 4, 2, 2, 1500, 2, kFP16, true, kRandom, 32},
         ForwardCase{"m1_h8_hkv2_hp8_s700_k16", 8, 2, 8, 2, 1, 700, 16, kBF16, false, kRandom, 64},
+        // A proxy-key head per proxy head (R = 1) with four proxy heads per KV group: consecutive
+        // lists share K and V but not the proxy keys, so each loads its own.
+        ForwardCase{"own_proxy_keys_h16_hkv2_hp8_hpk8_s1200_k16", 16, 2, 8, 8, 1, 1200, 16, kBF16, false, kRandom, 32},
         // Selections from the reference index branch.
         ForwardCase{"seed_select_s1100_k16", 16, 2, 4, 1, 1, 1100, 16, kBF16, false, Selection::kReferenceSelect, 32},
         ForwardCase{"small_select_s900_k2_fp16", 8, 2, 2, 1, 1, 900, 2, kFP16, true, Selection::kReferenceSelect, 32},

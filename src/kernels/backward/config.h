@@ -237,14 +237,15 @@ struct StepMetaOf {
   float proxy_lse[kMaxStepTokens];  // proxy LSE · log2(e); +inf for padding
   uint32_t key;                  // the schedule's list key
   int32_t count;                 // tokens in the step
-  int32_t flags;                 // kStepListLast | kStepUnitLast | kStepLast
+  int32_t flags;                 // kStepListLast | kStepUnitLast | kStepLast | kStepNewBlocks
   int32_t b, kv_head, block, proxy_head;  // the key decoded (forward::decode_list_key)
   uint32_t first_entry;          // the schedule entry of the step's first token
 };
 using StepMeta = StepMetaOf<kStepRows>;
-constexpr int kStepListLast = 1;  // the next step belongs to another list (or there is none)
-constexpr int kStepUnitLast = 2;  // … to another (chunk, b, g, c): dK and dV are flushed
+constexpr int kStepListLast = 1;  // K, V, k_proxy are replaced after this step (or there is no next step)
+constexpr int kStepUnitLast = 2;  // the next step belongs to another (chunk, b, g, c): dK and dV are flushed
 constexpr int kStepLast = 4;      // the CTA's last step
+constexpr int kStepNewBlocks = 8; // K, V, k_proxy were loaded for this step: the consumers wait on kv_full
 
 // Byte offsets inside the pipelined kernel's shared memory (from a 1024-byte aligned base).
 struct PipelinedLayout {

@@ -256,12 +256,14 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
     [[maybe_unused]] const uint64_t gather_policy = ptx::l2_policy_evict_first();
     const int chunk = thread & 15;
     const int first_row = thread >> 4;  // rows first_row + 8·i
-    uint32_t last_key = 0xffffffffu;
+    uint32_t last_key = 0xffffffffu;  // also the list whose K, V and k_proxy shared memory holds
+    // Sparse mode: the lists of one unit may share K, V and k_proxy (forward::lists_share_blocks).
+    const bool share_blocks = !kKlOnly && forward::lists_share_blocks(args);
     int pending = -1;
-    bool pending_new_list = false;
+    bool pending_new_blocks = false;
     auto release_pending = [&]() {
       ptx::fence_proxy_async_shared();
-      if (pending_new_list) ptx::mbarrier_arrive(kv_full);
+      if (pending_new_blocks) ptx::mbarrier_arrive(kv_full);
       ptx::mbarrier_arrive(&q_full[pending % kStages]);
       pending = -1;
     };
@@ -314,6 +316,10 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
       for (int k = 0; k < steps; ++k, ++step) {
         const int s = step % kStages;
         const bool new_list = key_value != last_key;
+        // A new list of the unit whose K, V and k_proxy are loaded keeps them when its lists share
+        // them: no drain, no reload.
+        const bool new_blocks =
+            new_list && (step == 0 || !share_blocks || key.unit != last_key / uint32_t(args.proxy_heads_per_kv));
         const int count = min(kStepTokens, tile_count - k * kStepTokens);
         const int token = token_entry != 0xffffffffu ? int(token_entry >> schedule::kSlotBits) : -1;
         const int row_token_pos = row_entry != 0xffffffffu ? int(row_entry >> schedule::kSlotBits) : -1;
@@ -339,7 +345,7 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
           release_pending();
         }
         ptx::mbarrier_wait(&q_empty[s], ((step / kStages) & 1) ^ 1);
-        if (new_list && step > 0) {
+        if (new_blocks && step > 0) {
           // K, V and k_proxy are overwritten only after the previous step is done.
           ptx::mbarrier_wait(&q_empty[(step - 1) % kStages], ((step - 1) / kStages) & 1);
         }
@@ -349,10 +355,12 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
           m.slot[thread] = int(token_entry & ((1u << schedule::kSlotBits) - 1));
           if (thread == 0) {
             const bool tile_last = k + 1 == steps;
-            const bool list_last = tile_last && next_tile.x != key_value;
             const bool unit_last =
                 tile_last && (next_tile.x == 0xffffffffu ||
                               next_tile.x / uint32_t(args.proxy_heads_per_kv) != key.unit);
+            // Where lists share K, V and k_proxy, the last step before they are replaced (its stage
+            // is released at once, so the producer's drain can complete).
+            const bool list_last = share_blocks ? unit_last : tile_last && next_tile.x != key_value;
             m.key = key_value;
             m.first_entry = tile.y + uint32_t(k * kStepTokens);
             m.count = count;
@@ -360,12 +368,12 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
             m.kv_head = key.kv_head;
             m.block = key.block;
             m.proxy_head = key.proxy_head;
-            m.flags = (list_last ? kStepListLast : 0) | (unit_last ? kStepUnitLast : 0) |
+            m.flags = (new_blocks ? kStepNewBlocks : 0) | (list_last ? kStepListLast : 0) | (unit_last ? kStepUnitLast : 0) |
                       (tile_last && t + 1 == num_tiles ? kStepLast : 0);
           }
         }
         ptx::named_barrier_sync(1, kPipelinedProducerThreads);
-        if (new_list) {
+        if (new_blocks) {
           load_key_block<2>(k_tile, args.k, key.b, first_key, key.kv_head, args.seqlen, thread);
           if constexpr (!kKlOnly) {
             load_key_block<2>(v_tile, args.v, key.b, first_key, key.kv_head, args.seqlen, thread);
@@ -436,7 +444,7 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
         }
         ptx::cp_async_commit();
         pending = step;
-        pending_new_list = new_list;
+        pending_new_blocks = new_blocks;
         last_key = key_value;
       }
       tile = next_tile;
@@ -545,7 +553,6 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
   };
   // Sparse mode: the first entry of the launch's chunk, row 0 of args.proxy_grad.
   const uint32_t entry_base = !kKlOnly && args.with_kl_grad ? args.entry_offsets[args.key_begin] : 0u;
-  uint32_t last_key = 0xffffffffu;
   int lists_seen = 0;
   int staged = 0;  // tokens of (π − t, q_proxy) staged for the proxy gradients
   int held_stage = -1;  // three stages: the previous step's stage, released at the end of this one
@@ -562,10 +569,10 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
     const uint32_t key_value = m.key;
     const int count = m.count;
     const int flags = m.flags;
-    if (key_value != last_key) {
+    if (flags & kStepNewBlocks) {
+      // kv_full completes once per load of K, V and k_proxy.
       ptx::mbarrier_wait(kv_full, lists_seen & 1);
       ++lists_seen;
-      last_key = key_value;
     }
     ListKey key;  // decoded by the producer
     key.b = m.b;

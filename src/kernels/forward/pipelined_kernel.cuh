@@ -58,7 +58,8 @@ struct StageMeta {
   int32_t token_slot[kPipelinedMaxTokens];  // slot of the block in that token's block_idx row
   uint32_t key;                   // the schedule's list key (b, g, c, proxy head)
   int32_t count;                  // tokens in the tile
-  int32_t unused[2];
+  int32_t new_blocks;             // 1: K, V and the proxy keys were loaded for this tile (wait on kv_full)
+  int32_t unused;
 };
 static_assert(sizeof(StageMeta) == kStageMetaBytes, "forward/config.h sizes the metadata stages");
 
@@ -139,6 +140,14 @@ __device__ __forceinline__ void load_key_block(Element* tile, const Strided<cons
   }
 }
 
+// Whether the lists of one unit (b, g, c) (its proxy heads, the key's fastest digit) share one load
+// of K, V and the proxy keys: more than one proxy head per KV head, all reading one proxy-key head
+// (R a multiple of Hp / Hkv, as when Hpk ≤ Hkv). Otherwise each list loads its own.
+template <typename Args>
+__device__ __forceinline__ bool lists_share_blocks(const Args& args) {
+  return args.proxy_heads_per_kv > 1 && args.proxy_ratio % args.proxy_heads_per_kv == 0;
+}
+
 // kM: M = H/Hp at compile time (2, 4, 8, 16), or 0 to read it from args (any M ≥ 2).
 template <typename Element, int kM>
 __global__ void __launch_bounds__(kPipelinedThreads, 1)
@@ -198,7 +207,7 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
     int64_t q_list = 0;    // q element offset of (b, 0, first head of the proxy group)
     int64_t out_list = 0;  // partial element offset of (row −chunk_first_row + b·S, proxy head, slot 0)
     const Element* qp_list = args.q_proxy.ptr;  // q_proxy row 0 of (b, proxy head), this thread's chunk
-    uint32_t last_key = 0xffffffffu;
+    uint32_t last_key = 0xffffffffu;  // also the list whose K, V and proxy keys shared memory holds
     // Descriptors run two tiles ahead, entries one tile ahead of the copies.
     uint4 tile = make_uint4(0, 0, 0, 0);
     uint4 next_tile = make_uint4(0, 0, 0, 0);
@@ -235,10 +244,10 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
     // through it what cp.async wrote through the generic proxy) and arrives.
     bool pending = false;
     int pending_stage = 0;
-    bool pending_new_list = false;
+    bool pending_new_blocks = false;
     auto release_pending = [&]() {
       ptx::fence_proxy_async_shared();
-      if (pending_new_list) ptx::mbarrier_arrive(kv_full);
+      if (pending_new_blocks) ptx::mbarrier_arrive(kv_full);
       ptx::mbarrier_arrive(&q_full[pending_stage]);
       pending = false;
     };
@@ -256,8 +265,13 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
       for (int t = 0; t < num_tiles; ++t) {
         const uint32_t key_value = tile.x;
         const bool new_list = key_value != last_key;
+        // A new list of the unit whose K, V and proxy keys are loaded keeps them when its lists share
+        // them (lists_share_blocks): no drain, no reload.
+        bool new_blocks = false;
         if (new_list) {
           key = decode_list_key(key_value, args);
+          new_blocks = !any_tile || !lists_share_blocks(args) ||
+                       key.unit != last_key / uint32_t(args.proxy_heads_per_kv);
           q_list = int64_t(key.b) * args.q.batch_stride + int64_t(key.proxy_head) * M * args.q.head_stride;
           out_list = partial_index(int64_t(key.b) * args.seqlen - args.chunk_first_row, key.proxy_head, 0, 0,
                                    args.num_proxy_heads, args.top_k, M) * kHeadDim;
@@ -267,7 +281,7 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
         const int count = int(tile.z);
         const int first_key = key.block * kBlockSize;
         ptx::mbarrier_wait(&q_empty[s], phase ^ 1);
-        if (new_list && any_tile) {
+        if (new_blocks && any_tile) {
           // K, V and the proxy keys are overwritten only after the previous tile is done.
           if (pending) {
             ptx::cp_async_wait<0>();
@@ -289,11 +303,12 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
           if (thread == 0) {
             stage_meta.key = key_value;
             stage_meta.count = count;
+            stage_meta.new_blocks = new_blocks;
           }
         }
         ptx::named_barrier_sync(4, kPipelinedProducerThreads);
 
-        if (new_list) {
+        if (new_blocks) {
           load_key_block(k_tile, args.k, key.b, first_key, key.kv_head, args.seqlen, thread);
           load_key_block(v_tile, args.v, key.b, first_key, key.kv_head, args.seqlen, thread);
           load_key_block(kp_tile, args.k_proxy, key.b, first_key, key.proxy_head / args.proxy_ratio,
@@ -336,7 +351,7 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
         pending = true;
         any_tile = true;
         pending_stage = s;
-        pending_new_list = new_list;
+        pending_new_blocks = new_blocks;
         last_key = key_value;
         previous_s = s;
         previous_phase = phase;
@@ -430,9 +445,12 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
     const uint32_t key_value = stage_meta.key;
     const int count = stage_meta.count;
     if (count < 0) break;
-    if (key_value != last_key) {
+    if (stage_meta.new_blocks) {
+      // kv_full completes once per load of K, V and the proxy keys.
       ptx::mbarrier_wait(kv_full, lists_seen & 1);
       ++lists_seen;
+    }
+    if (key_value != last_key) {
       last_key = key_value;
       key = decode_list_key(key_value, args);
     }
