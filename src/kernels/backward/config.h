@@ -242,10 +242,10 @@ struct StepMetaOf {
   uint32_t first_entry;          // the schedule entry of the step's first token
 };
 using StepMeta = StepMetaOf<kStepRows>;
-constexpr int kStepListLast = 1;  // K, V, k_proxy are replaced after this step (or there is no next step)
-constexpr int kStepUnitLast = 2;  // the next step belongs to another (chunk, b, g, c): dK and dV are flushed
-constexpr int kStepLast = 4;      // the CTA's last step
-constexpr int kStepNewBlocks = 8; // K, V, k_proxy were loaded for this step: the consumers wait on kv_full
+constexpr int kStepListLast = 1;   // K, V, k_proxy are replaced after this step, or no step follows
+constexpr int kStepUnitLast = 2;   // the next step is of another (chunk, b, g, c): dK, dV are flushed
+constexpr int kStepLast = 4;       // the CTA's last step
+constexpr int kStepNewBlocks = 8;  // K, V, k_proxy were loaded for this step: wait on kv_full
 
 // Byte offsets inside the pipelined kernel's shared memory (from a 1024-byte aligned base).
 struct PipelinedLayout {

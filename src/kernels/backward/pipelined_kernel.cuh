@@ -319,7 +319,8 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
         // A new list of the unit whose K, V and k_proxy are loaded keeps them when its lists share
         // them: no drain, no reload.
         const bool new_blocks =
-            new_list && (step == 0 || !share_blocks || key.unit != last_key / uint32_t(args.proxy_heads_per_kv));
+            new_list &&
+            (step == 0 || !share_blocks || key.unit != last_key / uint32_t(args.proxy_heads_per_kv));
         const int count = min(kStepTokens, tile_count - k * kStepTokens);
         const int token = token_entry != 0xffffffffu ? int(token_entry >> schedule::kSlotBits) : -1;
         const int row_token_pos = row_entry != 0xffffffffu ? int(row_entry >> schedule::kSlotBits) : -1;
@@ -368,8 +369,8 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
             m.kv_head = key.kv_head;
             m.block = key.block;
             m.proxy_head = key.proxy_head;
-            m.flags = (new_blocks ? kStepNewBlocks : 0) | (list_last ? kStepListLast : 0) | (unit_last ? kStepUnitLast : 0) |
-                      (tile_last && t + 1 == num_tiles ? kStepLast : 0);
+            m.flags = (new_blocks ? kStepNewBlocks : 0) | (list_last ? kStepListLast : 0) |
+                      (unit_last ? kStepUnitLast : 0) | (tile_last && t + 1 == num_tiles ? kStepLast : 0);
           }
         }
         ptx::named_barrier_sync(1, kPipelinedProducerThreads);
