@@ -54,7 +54,8 @@ for wanted in ${KERNELS:-forward_tile combine backward_tile proxy_grads}; do
   IFS='|' read -r name stage regex <<<"$entry"
   report="$out/$name.csv"
   "$ncu" --kernel-name "regex:$regex" --launch-count 1 "${sections[@]}" --metrics "$metrics" \
-    --csv --page raw --print-units base "$bin_dir/flashmsa_bench" --stages "$stage" --configs "${CONFIG:-paper}" \
+    --csv --page raw --print-units base \
+    "$bin_dir/flashmsa_bench" --stages "$stage" --configs "${CONFIG:-paper}" \
     --patterns "${PATTERN:-random}" --seqlens "${SEQLEN:-32768}" --repeats 1 \
     --out "$out/$name.rows.json" >"$report" 2>"$out/$name.log"
   rc=$?
