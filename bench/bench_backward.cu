@@ -1,6 +1,9 @@
 // Benchmark of the sparse backward (SPEC.md §3-§4, main gradients + KL gradient + KL value) on the
-// selection patterns of tests/common/patterns.h. Counted FLOPs: 2.5 × 4·D·Σ_{h,i} |T_hi| (the
-// forward's 4·D per selected (head, query, key), times the usual 2.5 for the backward).
+// selection patterns of SPEC.md: `random` is the index branch's selection (flashmsa::select) on the
+// Gaussian proxies, `hot` and `tile_shared` come from tests/common/patterns.h, and `uniform` (only
+// when named) is that file's uniform draw per query, the `random` of results before the select
+// kernel made it. Counted FLOPs: 2.5 × 4·D·Σ_{h,i} |T_hi| (the forward's 4·D per selected (head,
+// query, key), times the usual 2.5 for the backward).
 //
 // Inputs are device-generated N(0, 1) values (bench/step_buffers.cuh); the saved tensors come from
 // one forward on them before the timed backward runs.
@@ -29,8 +32,19 @@ FLASHMSA_BENCH(backward, bench_backward) {
 
       for (const std::string& pattern_name : options.patterns) {
         patterns::Pattern pattern;
-        if (!patterns::parse_pattern(pattern_name, &pattern)) continue;
-        buffers.block_idx.upload(patterns::make_selection(shape, pattern, 42));
+        if (pattern_name == "random") {
+          if (Status status = select(buffers.select_params, stream); !status.ok()) {
+            std::fprintf(stderr, "select %s S=%lld: %s\n", config_name.c_str(),
+                         static_cast<long long>(seqlen), status.message.c_str());
+            continue;
+          }
+        } else if (pattern_name == "uniform") {
+          buffers.block_idx.upload(patterns::make_selection(shape, patterns::Pattern::kRandom, 42));
+        } else if (patterns::parse_pattern(pattern_name, &pattern)) {
+          buffers.block_idx.upload(patterns::make_selection(shape, pattern, 42));
+        } else {
+          continue;
+        }
         const BackwardParams& params = buffers.backward_params;
         // The saved tensors (out, lse, proxy_lse) come from a real forward on the same inputs.
         if (Status status = buffers.forward_backward(stream); !status.ok()) {

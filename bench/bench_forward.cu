@@ -1,9 +1,10 @@
 // Benchmarks of the schedule and the sparse forward (stages "schedule" and "forward") on the named
 // configurations and the selection patterns of SPEC.md, with block_idx made on the device:
-//   random       slot 0 the local block, then K−1 distinct earlier blocks drawn per query (a hash
-//                of (b, p, i)): per-query, nearly uncorrelated, like select on Gaussian proxies.
+//   random       the index branch's selection (flashmsa::select) on the Gaussian proxies.
 //   hot          the local block, block 0 and the K−2 most recent blocks: maximal fan-in.
-//   tile_shared  the random draw keyed by (b, p, query block): all 128 queries of a block share it.
+//   tile_shared  the uniform draw keyed by (b, p, query block): all 128 queries of a block share it.
+//   uniform      (only when named) the local block, then K−1 distinct earlier blocks drawn per query
+//                (a hash of (b, p, i)); the `random` of results before the select kernel made it.
 // TFLOP/s counts 4·D·|T|·H per query, |T| = (min(K, c(i)+1) − 1)·128 + (i mod 128) + 1.
 #include <cuda_bf16.h>
 
@@ -19,7 +20,7 @@
 namespace flashmsa::bench {
 namespace {
 
-enum Pattern { kRandomPattern = 0, kHotPattern = 1, kTileSharedPattern = 2 };
+enum Pattern { kUniformPattern = 0, kHotPattern = 1, kTileSharedPattern = 2, kSelectPattern = 3 };
 
 __global__ void make_selection(int32_t* block_idx, int64_t rows, int64_t seqlen, int top_k, int pattern) {
   const int64_t row = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;  // (b · Hp + p) · S + i
@@ -77,15 +78,12 @@ FLASHMSA_BENCH(forward, bench_forward) {
       const double flops = main_forward_flops(shape);
 
       for (const std::string& pattern : options.patterns) {
-        const int pattern_id = pattern == "random" ? kRandomPattern
-                               : pattern == "hot"  ? kHotPattern
+        const int pattern_id = pattern == "random"        ? kSelectPattern
+                               : pattern == "hot"         ? kHotPattern
                                : pattern == "tile_shared" ? kTileSharedPattern
+                               : pattern == "uniform"     ? kUniformPattern
                                                           : -1;
         if (pattern_id < 0) continue;
-        make_selection<<<unsigned((selection_rows + 255) / 256), 256, 0, stream>>>(block_idx.get(), selection_rows, seqlen,
-                                                                          shape.top_k, pattern_id);
-        FLASHMSA_CUDA_CHECK(cudaGetLastError());
-
         ScheduleParams schedule_params;
         schedule_params.shape = shape;
         schedule_params.block_idx = block_idx.get();
@@ -104,6 +102,18 @@ FLASHMSA_BENCH(forward, bench_forward) {
         params.lse = lse.get();
         params.proxy_lse = proxy_lse.get();
         params.workspace = forward_workspace.get();
+        if (pattern_id == kSelectPattern) {
+          const SelectParams select_params{shape, DType::kBF16, 0.f, params.q_proxy, params.k_proxy,
+                                           block_idx.get()};
+          if (const Status status = flashmsa::select(select_params, stream); !status.ok()) {
+            std::fprintf(stderr, "select failed: %s\n", status.message.c_str());
+            continue;
+          }
+        } else {
+          make_selection<<<unsigned((selection_rows + 255) / 256), 256, 0, stream>>>(
+              block_idx.get(), selection_rows, seqlen, shape.top_k, pattern_id);
+          FLASHMSA_CUDA_CHECK(cudaGetLastError());
+        }
 
         bool failed = false;
         auto run_schedule = [&](cudaStream_t s) {
