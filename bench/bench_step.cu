@@ -1,8 +1,8 @@
 // Benchmarks of whole training steps of the sparse path:
 //   step     select + schedule + forward + backward (main and KL), selection from random Gaussian
 //            proxies through the select kernel (the `random` pattern of SPEC.md);
-//   fwd_bwd  schedule + forward + backward on a given selection, for each pattern (`random` is the
-//            select kernel's output, `hot` and `tile_shared` come from tests/common/patterns.h).
+//   fwd_bwd  schedule + forward + backward on a given selection, for each pattern
+//            (StepBuffers::select_pattern: `random` is the select kernel's output).
 // TFLOP/s counts the main branch only: 3.5 × the forward's 4·D·H·Σ|T| (forward + 2.5 × backward).
 #include <cstdio>
 #include <string>
@@ -10,7 +10,6 @@
 
 #include "bench.h"
 #include "common/cases.h"
-#include "common/patterns.h"
 #include "flashmsa/api.h"
 #include "step_buffers.cuh"
 
@@ -41,14 +40,7 @@ FLASHMSA_BENCH(step, bench_step) {
               "select + schedule + forward + backward (main + KL); TFLOP/s on the main branch");
 
       for (const std::string& pattern_name : options.patterns) {
-        patterns::Pattern pattern;
-        if (!patterns::parse_pattern(pattern_name, &pattern)) continue;
-        if (pattern == patterns::Pattern::kRandom) {
-          FLASHMSA_CUDA_CHECK(cudaStreamSynchronize(stream));
-          (void)select(buffers.select_params, stream);  // the index branch's own selection
-        } else {
-          buffers.block_idx.upload(patterns::make_selection(shape, pattern, 42));
-        }
+        if (!buffers.select_pattern(pattern_name, stream)) continue;
         add_row("fwd_bwd", pattern_name,
                 time_median_ms([&](cudaStream_t s) { buffers.forward_backward(s); }, stream,
                                options.warmup, options.repeats),

@@ -4,7 +4,11 @@
 // benchmarks (bench_step.cu, bench_backward.cu, bench_warmup.cu).
 #pragma once
 
+#include <cstdio>
+#include <string>
+
 #include "common/cases.h"
+#include "common/patterns.h"
 #include "flashmsa/api.h"
 #include "inputs.cuh"
 
@@ -69,6 +73,23 @@ struct StepBuffers {
     }
     if (Status status = forward(backward_params.fwd, stream); !status.ok()) return status;
     return backward(backward_params, stream);
+  }
+
+  // block_idx for a selection pattern of SPEC.md by name: `random` is the select kernel's selection
+  // on the Gaussian proxies, `hot` and `tile_shared` come from tests/common/patterns.h, and
+  // `uniform` (only when named) is that file's uniform draw per query. False (with a message for a
+  // failing select) when the name is unknown or the selection failed.
+  bool select_pattern(const std::string& name, cudaStream_t stream) const {
+    FLASHMSA_CUDA_CHECK(cudaStreamSynchronize(stream));  // block_idx may still be read by queued work
+    if (name == "random") {
+      const Status status = select(select_params, stream);
+      if (!status.ok()) std::fprintf(stderr, "select: %s\n", status.message.c_str());
+      return status.ok();
+    }
+    patterns::Pattern pattern = patterns::Pattern::kRandom;  // tests/common/patterns.h's uniform draw
+    if (name != "uniform" && !patterns::parse_pattern(name, &pattern)) return false;
+    block_idx.upload(patterns::make_selection(select_params.shape, pattern, 42));
+    return true;
   }
 
   Status step(cudaStream_t stream) const {
