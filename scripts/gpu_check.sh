@@ -20,7 +20,8 @@
 # file whose rows are kept, with their commit, for what this run does not measure).
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-bin_dir="${1:-$root/build}"
+source "$root/scripts/prebuilt.sh"
+bin_dir="$(prebuilt_dir "${1:-$root/build}" flashmsa_gpu_tests flashmsa_bench flashmsa_traffic)" || exit 1
 results_dir="${RESULTS_DIR:-$root/bench/results}"
 seqlens="${SEQLENS:-8192,32768,131072}"
 configs="${CONFIGS:-paper,specialized,seed}"
@@ -28,10 +29,6 @@ mkdir -p "$results_dir"
 raw="$results_dir/raw"
 mkdir -p "$raw"
 
-if [[ ! -x "$bin_dir/flashmsa_gpu_tests" ]]; then
-  bash "$root/scripts/build.sh" --target flashmsa_gpu_tests flashmsa_bench flashmsa_traffic || exit 1
-  bin_dir="$root/build"
-fi
 if [[ -f "$bin_dir/COMMIT" ]]; then
   commit="$(cat "$bin_dir/COMMIT")"
 else

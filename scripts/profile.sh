@@ -15,13 +15,10 @@
 # than in the benchmarks).
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-bin_dir="${1:-$root/build}"
+source "$root/scripts/prebuilt.sh"
+bin_dir="$(prebuilt_dir "${1:-$root/build}" flashmsa_bench)" || exit 1
 out="${RESULTS_DIR:-$root/bench/results/raw}/profile"
 mkdir -p "$out"
-if [[ ! -x "$bin_dir/flashmsa_bench" ]]; then
-  bash "$root/scripts/build.sh" --target flashmsa_bench || exit 1
-  bin_dir="$root/build"
-fi
 ncu="${NCU:-ncu}"
 if ! command -v "$ncu" >/dev/null; then
   echo "profile: $ncu not found (Nsight Compute's CLI; NCU names another path)" >&2

@@ -13,13 +13,10 @@
 # finished and reported 0 errors with every test passing.
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-bin_dir="${1:-$root/build}"
+source "$root/scripts/prebuilt.sh"
+bin_dir="$(prebuilt_dir "${1:-$root/build}" flashmsa_gpu_tests)" || exit 1
 out="${RESULTS_DIR:-$root/bench/results/raw}/sanitize"
 mkdir -p "$out"
-if [[ ! -x "$bin_dir/flashmsa_gpu_tests" ]]; then
-  bash "$root/scripts/build.sh" --target flashmsa_gpu_tests || exit 1
-  bin_dir="$root/build"
-fi
 
 filter="$(printf '%s:' \
   'Select/SelectTest.MatchesReference/paper_hp4_hpk1_b1_s8192_k2_bf16_bshd' \
