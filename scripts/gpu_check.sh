@@ -88,39 +88,58 @@ if [[ -n "$python_pid" ]]; then
   tail -n 25 "$raw/python_tests.log"
 fi
 
+# CARRY=<an earlier h200.json>: rows this run does not measure (e.g. ANCHORS=0, whose torch anchors
+# do not depend on flashmsa) are kept from it with the commit they were measured at.
+carry_args=()
+if [[ -n "${CARRY:-}" ]]; then
+  cp "$CARRY" "$raw/carry.json" && carry_args=(--carry "$raw/carry.json")
+fi
+# The results are rewritten after every timing step, so a check cut short (a time limit) still
+# leaves what it measured.
+write_results() {
+  python3 "$root/bench/results.py" --commit "$commit" --gpu "$gpu" \
+    --tests "$raw"/gpu_tests_*.json --python-tests "$raw/python_tests.xml" \
+    --rows "${row_files[@]}" "${anchor_rows[@]}" "${carry_args[@]}" "${traffic_args[@]}" \
+    --out "$results_dir/h200.json"
+}
+anchor_rows=()
+traffic_args=()
+
 echo "== flashmsa benchmarks"
 "$bin_dir/flashmsa_bench" --configs "$configs" --seqlens "$seqlens" \
   --out "$raw/flashmsa_rows.json" 2>&1 | tee "$raw/bench.log"
 row_files=("$raw/flashmsa_rows.json")
+write_results >/dev/null
 long_seqlens="${LONG_SEQLENS:-524288,1048576}"
 if [[ "$long_seqlens" != "0" ]]; then
   "$bin_dir/flashmsa_bench" --stages select,forward --configs paper --patterns random \
     --seqlens "$long_seqlens" --out "$raw/long_rows.json" 2>&1 | tee -a "$raw/bench.log"
   row_files+=("$raw/long_rows.json")
+  write_results >/dev/null
 fi
 long_step_seqlens="${LONG_STEP_SEQLENS:-524288}"
 if [[ "$long_step_seqlens" != "0" ]]; then
   "$bin_dir/flashmsa_bench" --stages backward,step --configs paper,specialized \
     --seqlens "$long_step_seqlens" --repeats 3 --out "$raw/long_step_rows.json" 2>&1 | tee -a "$raw/bench.log"
   row_files+=("$raw/long_step_rows.json")
+  write_results >/dev/null
 fi
 warmup_seqlens="${WARMUP_SEQLENS:-8192,32768,131072}"
 if [[ "$warmup_seqlens" != "0" ]]; then
   "$bin_dir/flashmsa_bench" --stages warmup --configs paper --seqlens "$warmup_seqlens" --repeats 1 \
     --out "$raw/warmup_rows.json" 2>&1 | tee -a "$raw/bench.log"
   row_files+=("$raw/warmup_rows.json")
+  write_results >/dev/null
 fi
 
 # The forward tile kernel's access mix alone (bench/traffic): how fast its bytes can move on this GPU.
-traffic_args=()
 rm -f "$raw/traffic.json"
 if [[ -x "$bin_dir/flashmsa_traffic" ]]; then
   echo "== access-mix ceiling (flashmsa_traffic)"
   "$bin_dir/flashmsa_traffic" --ctas-per-sm 3 --out "$raw/traffic.json" 2>&1 | tee "$raw/traffic.log"
-  [[ -f "$raw/traffic.json" ]] && traffic_args=(--traffic "$raw/traffic.json")
+  [[ -f "$raw/traffic.json" ]] && traffic_args=(--traffic "$raw/traffic.json") && write_results >/dev/null
 fi
 
-anchor_rows=()
 if [[ "${ANCHORS:-1}" != "0" ]]; then
   echo "== anchors (torch)"
   PYTHONUNBUFFERED=1 python3 "$root/bench/anchors.py" --seqlens "${ANCHOR_SEQLENS:-4096,$seqlens}" \
@@ -129,19 +148,7 @@ if [[ "${ANCHORS:-1}" != "0" ]]; then
   [[ -f "$raw/anchor_rows.json" ]] && anchor_rows=("$raw/anchor_rows.json")
 fi
 
-# CARRY=<an earlier h200.json>: rows this run does not measure (e.g. ANCHORS=0, whose torch anchors
-# do not depend on flashmsa) are kept from it with the commit they were measured at.
-carry_args=()
-if [[ -n "${CARRY:-}" ]]; then
-  cp "$CARRY" "$raw/carry.json" && carry_args=(--carry "$raw/carry.json")
-fi
-write_results() {
-  python3 "$root/bench/results.py" --commit "$commit" --gpu "$gpu" \
-    --tests "$raw"/gpu_tests_*.json --python-tests "$raw/python_tests.xml" \
-    --rows "${row_files[@]}" "${anchor_rows[@]}" "${carry_args[@]}" "${traffic_args[@]}" \
-    --out "$results_dir/h200.json"
-}
-write_results >/dev/null  # a first copy, so a timing step of the op cut short still leaves results
+write_results >/dev/null
 
 # ---- Timings through the PyTorch op, alone on the GPU ---------------------------------------------
 if [[ -n "$torch_library" ]]; then
