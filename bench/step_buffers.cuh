@@ -80,14 +80,14 @@ struct StepBuffers {
   // `uniform` (only when named) is that file's uniform draw per query. False (with a message for a
   // failing select) when the name is unknown or the selection failed.
   bool select_pattern(const std::string& name, cudaStream_t stream) const {
-    FLASHMSA_CUDA_CHECK(cudaStreamSynchronize(stream));  // block_idx may still be read by queued work
-    if (name == "random") {
+    if (name == "random") {  // ordered after the queued work that may still read block_idx
       const Status status = select(select_params, stream);
       if (!status.ok()) std::fprintf(stderr, "select: %s\n", status.message.c_str());
       return status.ok();
     }
     patterns::Pattern pattern = patterns::Pattern::kRandom;  // tests/common/patterns.h's uniform draw
     if (name != "uniform" && !patterns::parse_pattern(name, &pattern)) return false;
+    FLASHMSA_CUDA_CHECK(cudaStreamSynchronize(stream));  // block_idx may still be read by queued work
     block_idx.upload(patterns::make_selection(select_params.shape, pattern, 42));
     return true;
   }
