@@ -6,6 +6,8 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <cstdio>
+#include <cstdlib>
 #include <functional>
 #include <string>
 #include <vector>
@@ -37,8 +39,9 @@ struct Options {
 
 // Times `work` (enqueued on `stream`) `repeats` times after `warmup` runs; the 60 MB L2 is flushed
 // before each timed run, outside the timed region. Returns the median in milliseconds.
-// NOTES: a run slower than 100 ms (the 512K/1M rows) gets one warm-up and 3 repeats: its spread
-// is far below 1%, and the device time of a whole benchmark stays within minutes.
+// NOTES: a run slower than 100 ms (the 512K/1M rows, and some 128K step rows) gets one warm-up
+// and 3 repeats: its spread is far below 1%, and the device time of a whole benchmark stays within
+// minutes. FLASHMSA_BENCH_TRACE=1 prints every timed run to stderr.
 inline double time_median_ms(const std::function<void(cudaStream_t)>& work, cudaStream_t stream,
                              int warmup, int repeats) {
   static testing::DeviceBuffer<char> flush(size_t(256) << 20);
@@ -55,13 +58,19 @@ inline double time_median_ms(const std::function<void(cudaStream_t)>& work, cuda
     FLASHMSA_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
     return double(ms);
   };
-  if (timed_run(0) > 100.0) {
+  const double first_ms = timed_run(0);
+  if (first_ms > 100.0) {
     warmup = 0;
     repeats = std::min(repeats, 3);
   }
   for (int i = 1; i < warmup; ++i) work(stream);
   std::vector<double> times;
   for (int i = 0; i < repeats; ++i) times.push_back(timed_run(i + 1));
+  if (std::getenv("FLASHMSA_BENCH_TRACE") != nullptr) {  // every timed run, in order, on stderr
+    std::fprintf(stderr, "timed runs: first %.3f ms, %d untimed, then", first_ms, std::max(warmup - 1, 0));
+    for (double ms : times) std::fprintf(stderr, " %.3f", ms);
+    std::fprintf(stderr, "\n");
+  }
   FLASHMSA_CUDA_CHECK(cudaGetLastError());
   cudaEventDestroy(start);
   cudaEventDestroy(stop);
