@@ -56,7 +56,7 @@ def table(result):
     carried = any(r.get("commit") for r in rows if r["system"] == "flashmsa")
     if carried:
         lines[0] += (" Rows whose last column names another commit were carried from an earlier run "
-                     "of the GPU check (see the notes below the table).")
+                     "of the GPU check (see \"How to read the table\" above it).")
     lines.append("| stage | config | pattern | S | flashmsa ms | TFLOP/s | cuDNN dense ms | "
                  "Flex tile-shared ms | \u00d7 vs cuDNN | \u00d7 vs Flex |" +
                  (" measured at |" if carried else ""))
