@@ -2,18 +2,22 @@
 // sequence lengths and selection patterns, prints one line per row and writes the rows as JSON.
 //
 //   flashmsa_bench [--stages select,forward] [--configs paper,specialized] [--seqlens 8192,131072]
-//                  [--patterns random,hot,tile_shared] [--repeats N] [--out rows.json]
+//                  [--patterns random,hot,tile_shared,uniform] [--repeats N] [--out rows.json]
 //
 // Without --stages every stage runs except the opt-in ones (warmup: dense causal, seconds per run
 // at 128K), which run only when named.
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
 
 #include "bench.h"
+#include "common/cases.h"
+#include "common/flags.h"
 #include "flashmsa/api.h"
 
 namespace flashmsa::bench {
@@ -66,25 +70,61 @@ int main(int argc, char** argv) {
   Options options;
   std::vector<std::string> stages;
   std::string out_path = "bench_rows.json";
-  for (int i = 1; i + 1 < argc; i += 2) {
+  // Every flag is checked before any GPU work: a usage error names the flag and the value.
+  auto usage_error = [](const std::string& message) {
+    std::fprintf(stderr, "flashmsa_bench: %s\n", message.c_str());
+    return 2;
+  };
+  for (int i = 1; i < argc; i += 2) {
     const std::string flag = argv[i];
-    const std::string value = argv[i + 1];
+    if (flag != "--stages" && flag != "--configs" && flag != "--seqlens" && flag != "--patterns" &&
+        flag != "--repeats" && flag != "--out") {
+      return usage_error("unknown flag " + flag);
+    }
+    const std::string value = i + 1 < argc ? argv[i + 1] : "";
+    if (split(value).empty()) return usage_error(flag + " needs a value");
+    std::string error;
     if (flag == "--stages") {
       stages = split(value);
+      for (const std::string& stage : stages) {
+        const auto named = [&](const Registration& registration) {
+          return registration.stage == stage;
+        };
+        if (std::none_of(registry().begin(), registry().end(), named)) {
+          return usage_error("--stages: unknown stage '" + stage + "'");
+        }
+      }
     } else if (flag == "--configs") {
       options.configs = split(value);
+      for (const std::string& config : options.configs) {
+        if (flashmsa::cases::find_config(config) == nullptr) {
+          return usage_error("--configs: unknown config '" + config + "'");
+        }
+      }
     } else if (flag == "--seqlens") {
       options.seqlens.clear();
-      for (const std::string& item : split(value)) options.seqlens.push_back(std::atoll(item.c_str()));
+      for (const std::string& item : split(value)) {
+        const std::optional<int64_t> seqlen =
+            flashmsa::testing::parse_integer("--seqlens", item, 1, int64_t(1) << 30, error);
+        if (!seqlen) return usage_error(error);
+        options.seqlens.push_back(*seqlen);
+      }
     } else if (flag == "--patterns") {
       options.patterns = split(value);
+      for (const std::string& pattern : options.patterns) {
+        if (pattern != "random" && pattern != "hot" && pattern != "tile_shared" &&
+            pattern != "uniform") {
+          return usage_error("--patterns: unknown pattern '" + pattern +
+                             "' (random, hot, tile_shared, uniform)");
+        }
+      }
     } else if (flag == "--repeats") {
-      options.repeats = std::atoi(value.c_str());
-    } else if (flag == "--out") {
-      out_path = value;
+      const std::optional<int64_t> repeats =
+          flashmsa::testing::parse_integer(flag, value, 1, 1000, error);
+      if (!repeats) return usage_error(error);
+      options.repeats = int(*repeats);
     } else {
-      std::fprintf(stderr, "flashmsa_bench: unknown flag %s\n", flag.c_str());
-      return 2;
+      out_path = value;
     }
   }
   if (!flashmsa::hopper_available()) {
