@@ -53,6 +53,16 @@ constexpr int kPipelinedMaxStages = 3;  // stages of query rows: 3 where shared 
 constexpr int kPipelinedProducerRegisters = 56;   // 128·56 + 256·224 = 64512 ≤ 65536
 constexpr int kPipelinedConsumerRegisters = 224;
 
+// The consumer warpgroups take turns issuing their products (S of warpgroup 0, S of 1, P·V of 0,
+// P·V of 1, ...; FlashAttention-3's order) when the build defines FLASHMSA_FORWARD_CONSUMER_TURNS=1
+// (CMake option of that name, off by default); named barrier kTurnBarrier + c is warpgroup c's
+// turn. docs/design.md "Next", item 18, counts what it can take off the tile kernel.
+#ifndef FLASHMSA_FORWARD_CONSUMER_TURNS
+#define FLASHMSA_FORWARD_CONSUMER_TURNS 0
+#endif
+constexpr bool kConsumerTurns = FLASHMSA_FORWARD_CONSUMER_TURNS != 0;
+constexpr uint32_t kTurnBarrier = 5;  // 2, 3: each consumer warpgroup's own; 4: the producer's
+
 // Byte offsets inside the pipelined kernel's shared memory (from a 1024-byte aligned base).
 struct PipelinedLayout {
   int stages = 0;

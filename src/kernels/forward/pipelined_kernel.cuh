@@ -436,6 +436,12 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
   uint32_t last_key = 0xffffffffu;
   int lists_seen = 0;
   ListKey key{};
+  // Turns (config.h kConsumerTurns): a warpgroup waits for its turn before it issues a product and
+  // hands the turn to the other once the product is committed. Warpgroup 1 hands warpgroup 0 the
+  // first turn; warpgroup 0 takes the last hand-over after the loop, so both barriers end empty.
+  if constexpr (kConsumerTurns) {
+    if (consumer == 1) ptx::named_barrier_arrive(kTurnBarrier + (1 - consumer), 2 * 128);
+  }
 
   int s = 0;  // t % stages
   uint32_t phase = 0;  // (t / stages) & 1
@@ -466,6 +472,7 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
     // only padding rows: a wgmma under a branch the compiler cannot prove warpgroup-uniform is
     // serialised (ptxas C7518), which costs more than the rare wasted tile half.
     float score[64];
+    if constexpr (kConsumerTurns) ptx::named_barrier_sync(kTurnBarrier + consumer, 2 * 128);
     ptx::wgmma_fence();
 #pragma unroll
     for (int k_step = 0; k_step < kHeadDim / 16; ++k_step) {
@@ -474,6 +481,7 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
       Mma::run(score, desc_q, ptx::advance_desc(desc_k0, step_bytes), k_step > 0 ? 1u : 0u);
     }
     ptx::wgmma_commit_group();
+    if constexpr (kConsumerTurns) ptx::named_barrier_arrive(kTurnBarrier + (1 - consumer), 2 * 128);
 
     // ---- proxy scores (mma.sync, under the wgmma), by one warpgroup per tile, alternating ---------
     const bool proxy_turn = (t & 1) == consumer;
@@ -562,6 +570,7 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
           p_frag[k_step][r] = ptx::pack2<Element>(score[8 * k_step + 2 * r], score[8 * k_step + 2 * r + 1]);
         }
       }
+      if constexpr (kConsumerTurns) ptx::named_barrier_sync(kTurnBarrier + consumer, 2 * 128);
       ptx::wgmma_fence();
 #pragma unroll
       for (int k_step = 0; k_step < 8; ++k_step) {
@@ -569,6 +578,7 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
                              k_step > 0 ? 1u : 0u);
       }
       ptx::wgmma_commit_group();
+      if constexpr (kConsumerTurns) ptx::named_barrier_arrive(kTurnBarrier + (1 - consumer), 2 * 128);
 #pragma unroll
       for (int half = 0; half < 2; ++half) row_sum[half] = quad_sum(row_sum[half]);
       ptx::wgmma_wait_group<0>();
@@ -634,6 +644,9 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
       s = 0;
       phase ^= 1;
     }
+  }
+  if constexpr (kConsumerTurns) {
+    if (consumer == 0) ptx::named_barrier_sync(kTurnBarrier + consumer, 2 * 128);
   }
 }
 
