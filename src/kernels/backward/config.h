@@ -247,6 +247,15 @@ constexpr int kStepUnitLast = 2;   // the next step is of another (chunk, b, g, 
 constexpr int kStepLast = 4;       // the CTA's last step
 constexpr int kStepNewBlocks = 8;  // K, V, k_proxy were loaded for this step: wait on kv_full
 
+// The two consumer warpgroups take turns issuing a step's first products (Sᵀ, dPᵀ and the proxy
+// scores) in the sparse mode too, as the KL-only mode always does, when the build defines
+// FLASHMSA_BACKWARD_CONSUMER_TURNS=1 (CMake option of that name, off by default; docs/design.md
+// "Next", item 19).
+#ifndef FLASHMSA_BACKWARD_CONSUMER_TURNS
+#define FLASHMSA_BACKWARD_CONSUMER_TURNS 0
+#endif
+constexpr bool kSparseConsumerTurns = FLASHMSA_BACKWARD_CONSUMER_TURNS != 0;
+
 // Byte offsets inside the pipelined kernel's shared memory (from a 1024-byte aligned base).
 struct PipelinedLayout {
   uint32_t k = 0, v = 0, kp = 0;  // (2 halves, 128 keys, 64) 16-bit, 128-byte swizzle

@@ -474,8 +474,10 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
   constexpr uint32_t kMidBarrier = 2;   // dS (KL-only: g, staged rows), KL partials written by both
   constexpr uint32_t kStepBarrier = 3;  // KL-only: both warpgroups done reading the last flush
   constexpr uint32_t kDqBarrier = 4;    // the step's dQ rows staged by both
-  // KL-only: the warpgroups take turns issuing Sᵀ (warpgroup c waits on barrier kTurnBarrier + c,
-  // then lets the other go), so one's product runs under the other's exponentials.
+  // KL-only, and the sparse mode with config.h kSparseConsumerTurns: the warpgroups take turns
+  // issuing Sᵀ (warpgroup c waits on barrier kTurnBarrier + c, then lets the other go), so one's
+  // product runs under the other's exponentials.
+  constexpr bool kTurns = kKlOnly || kSparseConsumerTurns;
   constexpr uint32_t kTurnBarrier = 5;
   constexpr int kDqIssueLanes = (kStepTokens + 7) / 8;  // tokens per consumer warp, rounded up
   // Lanes that issue bulk reduce-adds: dQ of a step's tokens (sparse), dq_proxy of the staged ones.
@@ -560,7 +562,7 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
   bool flushed = false;  // KL-only: the previous step flushed the staged tokens
   // Warpgroup 0 takes the first turn; every later turn is handed over after an issue, except the
   // last one of warpgroup 1, so each barrier sees as many arrivals as waits.
-  if (kKlOnly && consumer == 1 && num_tiles > 0) ptx::named_barrier_arrive(kTurnBarrier, 256);
+  if (kTurns && consumer == 1 && num_tiles > 0) ptx::named_barrier_arrive(kTurnBarrier, 256);
 
   for (int step = 0;; ++step) {
     const int s = step % kStages;
@@ -590,7 +592,7 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
     float score[kRows / 2];
     float dprob[32];
     float proxy[kProxyCols / 2];
-    if constexpr (kKlOnly) ptx::named_barrier_sync(kTurnBarrier + consumer, 256);
+    if constexpr (kTurns) ptx::named_barrier_sync(kTurnBarrier + consumer, 256);
     ptx::wgmma_fence();
     key_gemm(score, k_tile, q_tile, kRows);
     if constexpr (!kKlOnly) key_gemm(dprob, v_tile, do_tile, kStepRows);
@@ -599,7 +601,7 @@ __global__ void __launch_bounds__(kPipelinedThreads, 1)
       key_gemm(proxy, kp_tile, qp_tile, kProxyCols);
       ptx::wgmma_commit_group();
     }
-    if constexpr (kKlOnly) {
+    if constexpr (kTurns) {
       if (consumer == 0 || !(flags & kStepLast)) ptx::named_barrier_arrive(kTurnBarrier + 1 - consumer, 256);
     }
     ptx::wgmma_wait_group<0>();
