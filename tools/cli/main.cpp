@@ -6,12 +6,14 @@
 //
 //   flashmsa [--config paper|specialized|seed] [--seqlen S] [--batch B] [--top-k K]
 //            [--mode sparse|warmup] [--dtype bf16|fp16] [--cpu]
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
+#include <iterator>
 #include <optional>
 #include <string>
 #include <vector>
@@ -65,6 +67,11 @@ CliOptions parse(int argc, char** argv) {
       std::fputs(kUsage, stdout);
       std::exit(0);
     }
+    static constexpr const char* kValueFlags[] = {"--config", "--seqlen", "--batch",
+                                                  "--top-k", "--mode", "--dtype"};
+    if (std::find(std::begin(kValueFlags), std::end(kValueFlags), flag) == std::end(kValueFlags)) {
+      usage_error("unknown flag " + flag);
+    }
     if (i + 1 >= argc) usage_error(flag + " needs a value");
     const std::string value = argv[++i];
     if (flag == "--config") {
@@ -92,8 +99,6 @@ CliOptions parse(int argc, char** argv) {
       } else {
         usage_error("--dtype must be bf16 or fp16");
       }
-    } else {
-      usage_error("unknown flag " + flag);
     }
   }
   return options;
