@@ -12,6 +12,8 @@ import json
 import statistics
 import sys
 
+from report import fmt_seqlen
+
 
 def read_build(spec):
     """LABEL=a.json,b.json -> (label, [rows of each file]); ValueError naming the argument."""
@@ -53,7 +55,7 @@ def table(builds):
     for key in order:
         stage, config, pattern, seqlen, system = key
         cells = [stage if system == "flashmsa" else "%s (%s)" % (stage, system), config, pattern,
-                 "%dK" % (seqlen // 1024) if seqlen % 1024 == 0 else str(seqlen)]
+                 fmt_seqlen(seqlen)]
         medians = {}
         for label in labels:
             runs = times[key].get(label)

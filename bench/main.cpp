@@ -72,61 +72,61 @@ int main(int argc, char** argv) {
   std::vector<std::string> stages;
   std::string out_path = "bench_rows.json";
   // Every flag is checked before any GPU work: a usage error names the flag and the value.
-  auto usage_error = [](const std::string& message) {
+  const auto usage_error = [](const std::string& message) {
     std::fprintf(stderr, "flashmsa_bench: %s\n", message.c_str());
-    return 2;
+    std::exit(2);
   };
-  for (int i = 1; i < argc; i += 2) {
+  for (int i = 1; i < argc; ++i) {
     const std::string flag = argv[i];
-    if (flag != "--stages" && flag != "--configs" && flag != "--seqlens" && flag != "--patterns" &&
-        flag != "--repeats" && flag != "--out") {
-      return usage_error("unknown flag " + flag);
-    }
-    const std::string value = i + 1 < argc ? argv[i + 1] : "";
-    if (split(value).empty()) return usage_error(flag + " needs a value");
+    // Taken only by a known flag, so an unknown one is named as such also when it comes last.
+    const auto take_value = [&]() -> std::string {
+      if (i + 1 >= argc || split(argv[i + 1]).empty()) usage_error(flag + " needs a value");
+      return argv[++i];
+    };
     std::string error;
     if (flag == "--stages") {
-      stages = split(value);
+      stages = split(take_value());
       for (const std::string& stage : stages) {
         const auto named = [&](const Registration& registration) {
           return registration.stage == stage;
         };
         if (std::none_of(registry().begin(), registry().end(), named)) {
-          return usage_error("--stages: unknown stage '" + stage + "'");
+          usage_error("--stages: unknown stage '" + stage + "'");
         }
       }
     } else if (flag == "--configs") {
-      options.configs = split(value);
+      options.configs = split(take_value());
       for (const std::string& config : options.configs) {
         if (flashmsa::cases::find_config(config) == nullptr) {
-          return usage_error("--configs: unknown config '" + config + "'");
+          usage_error("--configs: unknown config '" + config + "'");
         }
       }
     } else if (flag == "--seqlens") {
       options.seqlens.clear();
-      for (const std::string& item : split(value)) {
+      for (const std::string& item : split(take_value())) {
         const std::optional<int64_t> seqlen =
             flashmsa::testing::parse_integer("--seqlens", item, 1, int64_t(1) << 30, error);
-        if (!seqlen) return usage_error(error);
+        if (!seqlen) usage_error(error);
         options.seqlens.push_back(*seqlen);
       }
     } else if (flag == "--patterns") {
-      options.patterns = split(value);
+      options.patterns = split(take_value());
       for (const std::string& pattern : options.patterns) {
         // SPEC.md's patterns, and `uniform`, the benchmarks' own draw per query.
         flashmsa::patterns::Pattern parsed;
         if (pattern != "uniform" && !flashmsa::patterns::parse_pattern(pattern, &parsed)) {
-          return usage_error("--patterns: unknown pattern '" + pattern +
-                             "' (random, hot, tile_shared, uniform)");
+          usage_error("--patterns: unknown pattern '" + pattern + "' (random, hot, tile_shared, uniform)");
         }
       }
     } else if (flag == "--repeats") {
       const std::optional<int64_t> repeats =
-          flashmsa::testing::parse_integer(flag, value, 1, 1000, error);
-      if (!repeats) return usage_error(error);
+          flashmsa::testing::parse_integer(flag, take_value(), 1, 1000, error);
+      if (!repeats) usage_error(error);
       options.repeats = int(*repeats);
+    } else if (flag == "--out") {
+      out_path = take_value();
     } else {
-      out_path = value;
+      usage_error("unknown flag " + flag);
     }
   }
   if (!flashmsa::hopper_available()) {

@@ -6,14 +6,12 @@
 //
 //   flashmsa [--config paper|specialized|seed] [--seqlen S] [--batch B] [--top-k K]
 //            [--mode sparse|warmup] [--dtype bf16|fp16] [--cpu]
-#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
-#include <iterator>
 #include <optional>
 #include <string>
 #include <vector>
@@ -67,23 +65,23 @@ CliOptions parse(int argc, char** argv) {
       std::fputs(kUsage, stdout);
       std::exit(0);
     }
-    static constexpr const char* kValueFlags[] = {"--config", "--seqlen", "--batch",
-                                                  "--top-k", "--mode", "--dtype"};
-    if (std::find(std::begin(kValueFlags), std::end(kValueFlags), flag) == std::end(kValueFlags)) {
-      usage_error("unknown flag " + flag);
-    }
-    if (i + 1 >= argc) usage_error(flag + " needs a value");
-    const std::string value = argv[++i];
+    // Taken only by a known flag, so an unknown one is named as such also when it comes last.
+    const auto take_value = [&]() -> std::string {
+      if (i + 1 >= argc) usage_error(flag + " needs a value");
+      return argv[++i];
+    };
     if (flag == "--config") {
+      const std::string value = take_value();
       if (cases::find_config(value) == nullptr) usage_error("unknown --config " + value);
       options.config = value;
     } else if (flag == "--seqlen") {
-      options.seqlen = parse_integer(flag, value, 1, int64_t(1) << 30);
+      options.seqlen = parse_integer(flag, take_value(), 1, int64_t(1) << 30);
     } else if (flag == "--batch") {
-      options.batch = parse_integer(flag, value, 1, 1 << 16);
+      options.batch = parse_integer(flag, take_value(), 1, 1 << 16);
     } else if (flag == "--top-k") {
-      options.top_k = int(parse_integer(flag, value, 1, kMaxTopK));
+      options.top_k = int(parse_integer(flag, take_value(), 1, kMaxTopK));
     } else if (flag == "--mode") {
+      const std::string value = take_value();
       if (value == "sparse") {
         options.mode = Mode::kSparse;
       } else if (value == "warmup") {
@@ -92,6 +90,7 @@ CliOptions parse(int argc, char** argv) {
         usage_error("--mode must be sparse or warmup");
       }
     } else if (flag == "--dtype") {
+      const std::string value = take_value();
       if (value == "bf16") {
         options.dtype = DType::kBF16;
       } else if (value == "fp16") {
@@ -99,6 +98,8 @@ CliOptions parse(int argc, char** argv) {
       } else {
         usage_error("--dtype must be bf16 or fp16");
       }
+    } else {
+      usage_error("unknown flag " + flag);
     }
   }
   return options;
