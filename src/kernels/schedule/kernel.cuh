@@ -115,10 +115,13 @@ __global__ void write_tiles(const uint32_t* __restrict__ entry_offsets,
                             const uint32_t* __restrict__ tile_offsets, uint32_t num_keys,
                             int tokens_per_tile, uint4* __restrict__ tiles,
                             int32_t* __restrict__ header, int32_t values_buffer) {
-  const uint32_t warp = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
+  // One warp per key: more than 2^27 keys are more than 2^32 threads, so the warp index is formed
+  // from the block index (a thread index in 32 bits would wrap and skip the highest keys' tiles).
+  const uint64_t global_warp = uint64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
   const uint32_t lane = threadIdx.x % 32;
-  if (warp == 0 && lane == 0) header[0] = values_buffer;
-  if (warp >= num_keys) return;
+  if (global_warp == 0 && lane == 0) header[0] = values_buffer;
+  if (global_warp >= num_keys) return;
+  const uint32_t warp = uint32_t(global_warp);
   const uint32_t first = entry_offsets[warp];
   const uint32_t length = entry_offsets[warp + 1] - first;
   const uint32_t first_tile = tile_offsets[warp];
