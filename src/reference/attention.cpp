@@ -101,8 +101,12 @@ struct Problem {
     return acc(max + std::log(sum));
   }
 
-  // exp(logit - lse): P_hij from z and LSE, or π_pij from s and the proxy LSE.
-  double softmax_prob(double logit, double lse) const { return acc(std::exp(acc(logit - lse))); }
+  // exp(logit - lse): P_hij from z and LSE, or π_pij from s and the proxy LSE. A row whose every
+  // score is -inf has LSE -inf and no mass: P = 0 (O = 0, as in the kernels), never exp(NaN).
+  double softmax_prob(double logit, double lse) const {
+    if (lse == -kInf) return 0.0;
+    return acc(std::exp(acc(logit - lse)));
+  }
 
   // Is block c in T_pi? Only asked for rows i in or after block c.
   bool block_selected(int64_t b, int p, int64_t i, int64_t c) const {

@@ -272,6 +272,46 @@ TEST(ReferenceForward, EmptyTokenSetGivesZeroOutputWithoutNaN) {
   }
 }
 
+// A row whose every selected score is -inf (a key of -inf against a positive query component)
+// has no mass: O = 0 and LSE = -inf as for an empty set, never NaN (SPEC.md §6); rows that see
+// finite scores are unchanged.
+TEST(ReferenceForward, AllMinusInfinityScoresGiveZeroOutputWithoutNaN) {
+  const ProblemShape s = testing::small_shape(1, 256, 2, 1, 1, 1, 1);
+  Inputs in = random_inputs(s, 41, DType::kBF16);
+  for (int64_t i = 0; i < s.seqlen; ++i) {
+    for (int h = 0; h < s.num_heads; ++h) in.q[(i * s.num_heads + h) * s.head_dim] = 1.0;
+  }
+  const ForwardOutputs finite = forward(in, select(in, Precision::kFP64), Mode::kSparse,
+                                        Precision::kFP64);
+  for (int64_t j = kBlockSize; j < s.seqlen; ++j) {
+    in.k[j * s.num_kv_heads * s.head_dim] = -std::numeric_limits<double>::infinity();
+  }
+  // K = 1: every row attends to its own block only, so the rows of block 1 see only -inf scores.
+  const std::vector<int32_t> block_idx = select(in, Precision::kFP64);
+  for (Precision precision : {Precision::kFP64, Precision::kBF16}) {
+    const ForwardOutputs f = forward(in, block_idx, Mode::kSparse, precision);
+    for (int64_t i = 0; i < s.seqlen; ++i) {
+      const bool masked = i >= kBlockSize;
+      for (int h = 0; h < s.num_heads; ++h) {
+        const int64_t at = h * s.seqlen + i;
+        if (masked) {
+          EXPECT_EQ(f.lse[at], -std::numeric_limits<double>::infinity()) << i;
+        } else if (precision == Precision::kFP64) {
+          EXPECT_EQ(f.lse[at], finite.lse[at]) << i;
+        }
+        for (int d = 0; d < s.head_dim; ++d) {
+          const double o = f.out[(i * s.num_heads + h) * s.head_dim + d];
+          ASSERT_FALSE(std::isnan(o)) << "row " << i << ", head " << h;
+          if (masked) ASSERT_EQ(o, 0.0) << "row " << i << ", head " << h;
+        }
+      }
+      EXPECT_TRUE(std::isfinite(f.proxy_lse[i])) << i;
+      EXPECT_FALSE(std::isnan(f.kl_rows[i])) << i;
+    }
+    EXPECT_FALSE(std::isnan(f.kl));
+  }
+}
+
 TEST(ReferenceForward, RowSubsetMatchesFullRowsAndLeavesTheRestNaN) {
   const ProblemShape s = testing::small_shape(2, 300, 6, 2, 2, 2, 2);
   const Inputs in = random_inputs(s, 40, DType::kBF16);
