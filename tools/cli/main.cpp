@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
+#include <new>
 #include <optional>
 #include <string>
 #include <vector>
@@ -121,10 +122,21 @@ double seconds_since(std::chrono::steady_clock::time_point start) {
 // ---------------------------------------------------------------------------------------------
 // CPU: the fp64 reference on a small problem.
 // ---------------------------------------------------------------------------------------------
+// The reference's cost grows as S² (select, recall and dense warmup rows): 2048 tokens of the paper
+// config take ≈ 40 s on one core, so larger requests are refused rather than left running for hours.
+constexpr int64_t kMaxCpuTokens = 4096;
+
 int run_cpu(const CliOptions& options, const cases::HeadConfig& config) {
   ProblemShape shape = cases::make_shape(config, options.batch, options.seqlen > 0 ? options.seqlen : 512);
   shape.top_k = options.top_k > 0 ? options.top_k : 2;
+  if (shape.batch * shape.seqlen > kMaxCpuTokens) {
+    usage_error("--seqlen, --batch: the CPU reference (" +
+                std::string(options.force_cpu ? "--cpu" : "no Hopper GPU here") + ") runs at most " +
+                std::to_string(kMaxCpuTokens) + " tokens (B*S), got B*S = " +
+                std::to_string(shape.batch * shape.seqlen));
+  }
   print_shape(shape, options.mode, "CPU fp64 reference");
+  std::fflush(stdout);  // the header shows before the reference's seconds of work, also in a pipe
 
   const reference::Inputs inputs = reference::random_inputs(shape, /*seed=*/1, options.dtype);
   const reference::Precision fp64 = reference::Precision::kFP64;
@@ -299,6 +311,11 @@ int run_gpu(const CliOptions& options, const cases::HeadConfig& config) {
 int main(int argc, char** argv) {
   const CliOptions options = parse(argc, argv);
   const cases::HeadConfig& config = *cases::find_config(options.config);
-  if (options.force_cpu || !hopper_available()) return run_cpu(options, config);
-  return run_gpu(options, config);
+  try {
+    if (options.force_cpu || !hopper_available()) return run_cpu(options, config);
+    return run_gpu(options, config);
+  } catch (const std::bad_alloc&) {
+    std::fprintf(stderr, "flashmsa: out of host memory for this problem (smaller --seqlen or --batch)\n");
+    return 1;
+  }
 }
