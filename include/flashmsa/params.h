@@ -106,6 +106,8 @@ struct ForwardParams {
   TensorRef k_proxy;  // [b, s, hpk, di]
   // [b, hp, s, k]; ignored in warmup mode. Each row names a block at most once (select() writes
   // distinct blocks; -1 marks an empty slot): the wgmma kernels count a repeated block twice.
+  // The GPU path does not read the values on the host (that would be a synchronisation), so an
+  // entry outside [-1, NB) gives undefined results there; the CPU reference rejects it.
   const int32_t* block_idx = nullptr;
   const void* schedule = nullptr;      // ScheduleParams::workspace after schedule(); sparse mode
 
