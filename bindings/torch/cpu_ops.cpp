@@ -73,7 +73,7 @@ at::Tensor select_cpu(const at::Tensor& q_proxy, const at::Tensor& k_proxy, int6
   SelectParams params;
   params.shape = select_shape(q_proxy, k_proxy, top_k);
   params.dtype = dtype_of(q_proxy);
-  params.proxy_scale = static_cast<float>(proxy_scale);
+  params.proxy_scale = scale_argument(proxy_scale, "proxy_scale", op);
   params.q_proxy = tensor_ref(q_proxy);
   params.k_proxy = tensor_ref(k_proxy);
   const ProblemShape& shape = params.shape;

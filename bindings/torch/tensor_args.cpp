@@ -5,6 +5,8 @@
 #include <c10/util/Exception.h>
 
 #include <array>
+#include <cfloat>
+#include <cmath>
 #include <cstdint>
 #include <sstream>
 #include <utility>
@@ -50,6 +52,21 @@ constexpr std::array<std::pair<const char*, const char*>, 4> kTensorFields = {{
     {".head_stride", ".stride(2)"},
     {".ptr", ".data_ptr()"},
 }};
+
+// Checked before any output is sized from it (select's block_idx, the forward's block_idx shape).
+void check_top_k(int64_t top_k, Op op) {
+  TORCH_CHECK_VALUE(top_k >= 1 && top_k <= kMaxTopK, op_name(op),
+                    ": top_k (blocks): must be in [1, ", kMaxTopK, "], got ", top_k);
+}
+
+// Row strides are multiples of 8 elements (validate's rule for every layout), so a tensor whose
+// heads are packed needs a head dim that is a multiple of 8; said in terms of the head dim, which
+// is what the caller chose, rather than as a stride complaint.
+void check_head_dim(const at::Tensor& tensor, const char* name, const char* dim_name, Op op) {
+  TORCH_CHECK_VALUE(tensor.size(3) % 8 == 0, op_name(op), ": ", name, ".size(3) (", dim_name,
+                    "): must be a multiple of 8 (row strides are multiples of 8 elements), got ",
+                    tensor.size(3));
+}
 
 bool ends_with(const std::string& text, const std::string& suffix) {
   return text.size() >= suffix.size() &&
@@ -149,6 +166,8 @@ ProblemShape attention_shape(const at::Tensor& q, const at::Tensor& k, const at:
   TORCH_CHECK_VALUE(k_proxy.size(3) == q_proxy.size(3), op_name(op),
                     ": k_proxy: head dim must match q_proxy's (", q_proxy.size(3), "), got ",
                     k_proxy.size(3));
+  check_head_dim(q, "q", "head_dim", op);
+  check_head_dim(q_proxy, "q_proxy", "proxy_head_dim", op);
   const auto narrow = [&](int64_t value, const char* name) {
     TORCH_CHECK_VALUE(value <= INT32_MAX, op_name(op), ": ", name, ": must be < 2^31, got ", value);
     return static_cast<int>(value);
@@ -163,8 +182,7 @@ ProblemShape attention_shape(const at::Tensor& q, const at::Tensor& k, const at:
   shape.num_proxy_kv_heads = narrow(k_proxy.size(2), "k_proxy.size(2)");
   shape.head_dim = narrow(q.size(3), "q.size(3)");
   shape.proxy_head_dim = narrow(q_proxy.size(3), "q_proxy.size(3)");
-  TORCH_CHECK_VALUE(top_k >= INT32_MIN && top_k <= INT32_MAX, op_name(op),
-                    ": top_k (blocks): must be in [1, ", kMaxTopK, "], got ", top_k);
+  check_top_k(top_k, op);
   shape.top_k = static_cast<int>(top_k);
   return shape;
 }
@@ -179,11 +197,16 @@ ProblemShape select_shape(const at::Tensor& q_proxy, const at::Tensor& k_proxy, 
   TORCH_CHECK_VALUE(k_proxy.size(3) == q_proxy.size(3), op_name(op),
                     ": k_proxy: head dim must match q_proxy's (", q_proxy.size(3), "), got ",
                     k_proxy.size(3));
+  check_head_dim(q_proxy, "q_proxy", "proxy_head_dim", op);
   TORCH_CHECK_VALUE(
       q_proxy.size(2) <= INT32_MAX && k_proxy.size(2) <= INT32_MAX && q_proxy.size(3) <= INT32_MAX,
       op_name(op), ": q_proxy, k_proxy: head counts and dims must be < 2^31");
-  TORCH_CHECK_VALUE(top_k >= INT32_MIN && top_k <= INT32_MAX, op_name(op),
-                    ": top_k (blocks): must be in [1, ", kMaxTopK, "], got ", top_k);
+  // select's shape stands Hp, Hpk in for H, Hkv, so validate would word this rule as H % Hkv.
+  TORCH_CHECK_VALUE(k_proxy.size(2) >= 1 && q_proxy.size(2) % k_proxy.size(2) == 0, op_name(op),
+                    ": q_proxy.size(2) (num_proxy_heads): must be divisible by k_proxy.size(2) "
+                    "(num_proxy_kv_heads) (Hp % Hpk == 0), got Hp=",
+                    q_proxy.size(2), ", Hpk=", k_proxy.size(2));
+  check_top_k(top_k, op);
   ProblemShape shape;
   shape.batch = q_proxy.size(0);
   shape.seqlen = q_proxy.size(1);
@@ -225,6 +248,19 @@ void check_float_array(const at::Tensor& tensor, const char* name, at::IntArrayR
                     ", got ", sizes_text(tensor));
   TORCH_CHECK_VALUE(tensor.is_contiguous(), op_name(op), ": ", name,
                     ": must be contiguous, got strides ", tensor.strides());
+}
+
+float scale_argument(double value, const char* name, Op op) {
+  const auto narrowed = static_cast<float>(value);
+  // 0 selects the default and negative or non-finite values are validate's to report; a finite,
+  // nonzero value must survive the conversion to the kernels' fp32 (1e-50 would become 0, the
+  // default, and 1e39 inf).
+  const bool lost = std::isfinite(value) && value != 0.0 &&
+                    (!std::isfinite(narrowed) || std::fabs(narrowed) < FLT_MIN);
+  TORCH_CHECK_VALUE(!lost, op_name(op), ": ", name,
+                    ": must be 0 (the default) or within float32's normal range [", FLT_MIN, ", ",
+                    FLT_MAX, "], got ", value);
+  return narrowed;
 }
 
 DType dtype_of(const at::Tensor& tensor) {
@@ -288,8 +324,8 @@ ForwardParams forward_inputs(const at::Tensor& q, const at::Tensor& k, const at:
   params.shape = attention_shape(q, k, v, q_proxy, k_proxy, top_k, op);
   params.mode = parse_mode(mode, op);
   params.dtype = dtype_of(q);
-  params.softmax_scale = static_cast<float>(softmax_scale);
-  params.proxy_scale = static_cast<float>(proxy_scale);
+  params.softmax_scale = scale_argument(softmax_scale, "softmax_scale", op);
+  params.proxy_scale = scale_argument(proxy_scale, "proxy_scale", op);
   params.q = tensor_ref(q);
   params.k = tensor_ref(k);
   params.v = tensor_ref(v);

@@ -53,6 +53,10 @@ void check_block_idx(const at::Tensor& block_idx, const ProblemShape& shape, con
 void check_float_array(const at::Tensor& tensor, const char* name, at::IntArrayRef sizes,
                        const at::Tensor& like, Op op);
 
+// softmax_scale / proxy_scale as the kernels' fp32; raises ValueError for a finite nonzero value that
+// fp32 cannot hold as a normal number (it would silently become 0, i.e. the default, or inf).
+float scale_argument(double value, const char* name, Op op);
+
 DType dtype_of(const at::Tensor& tensor);  // bf16 / fp16 (fp32 and fp64 CPU inputs report bf16)
 
 // A TensorRef of a checked activation. Strides of extent-1 dims never address memory; they are

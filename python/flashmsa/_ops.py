@@ -47,11 +47,26 @@ _load()
 ops = torch.ops.flashmsa
 
 
+def _check_device(caller: str, like_name: str, like: torch.Tensor, **tensors) -> None:
+    """Every tensor given (None skipped) is on ``like``'s device, with the ValueError the C++ ops
+    raise (bindings/torch/tensor_args.cpp): "flashmsa.forward: k: must be on the device of q (cpu),
+    got meta"."""
+    for name, tensor in tensors.items():
+        if tensor is not None and tensor.device != like.device:
+            raise ValueError(f"{caller}: {name}: must be on the device of {like_name} ({like.device}), "
+                             f"got {tensor.device}")
+
+
 # ---- fake implementations: shapes and dtypes only, the same as the CPU/CUDA ones produce -------
+# NOTES: they also check the devices. A meta tensor among CPU or CUDA ones dispatches here, not to
+# the real op that would reject the mix, so without the check the call would return uninitialised
+# memory on q's device. Fake tensors carry their real device (torch.compile, FakeTensorMode), so
+# the check holds there as well.
 
 
 @torch.library.register_fake("flashmsa::select")
 def _select_fake(q_proxy, k_proxy, top_k, proxy_scale=0.0):
+    _check_device("flashmsa.select", "q_proxy", q_proxy, k_proxy=k_proxy)
     batch, seqlen, proxy_heads, _ = q_proxy.shape
     return q_proxy.new_empty((batch, proxy_heads, seqlen, top_k), dtype=torch.int32)
 
@@ -59,6 +74,8 @@ def _select_fake(q_proxy, k_proxy, top_k, proxy_scale=0.0):
 @torch.library.register_fake("flashmsa::forward")
 def _forward_fake(q, k, v, q_proxy, k_proxy, block_idx, top_k, attention_mode="sparse", softmax_scale=0.0,
                   proxy_scale=0.0, deterministic=False, kl_sink=None):
+    _check_device("flashmsa.forward", "q", q, k=k, v=v, q_proxy=q_proxy, k_proxy=k_proxy,
+                  block_idx=block_idx, kl_sink=kl_sink)
     batch, seqlen, heads, _ = q.shape
     proxy_heads = q_proxy.shape[2]
     out = q.new_empty(q.shape)
@@ -71,5 +88,7 @@ def _forward_fake(q, k, v, q_proxy, k_proxy, block_idx, top_k, attention_mode="s
 @torch.library.register_fake("flashmsa::backward")
 def _backward_fake(dout, kl_grad, q, k, v, q_proxy, k_proxy, block_idx, out, lse, proxy_lse, top_k,
                    attention_mode="sparse", softmax_scale=0.0, proxy_scale=0.0, deterministic=False):
+    _check_device("flashmsa.backward", "q", q, dout=dout, kl_grad=kl_grad, k=k, v=v, q_proxy=q_proxy,
+                  k_proxy=k_proxy, block_idx=block_idx, out=out, lse=lse, proxy_lse=proxy_lse)
     gradients = tuple(torch.empty_like(t) for t in (q, k, v, q_proxy, k_proxy))
     return gradients + (q.new_empty((), dtype=torch.float32),)

@@ -4,7 +4,8 @@ Every function here is a thin layer over the ops of ``_ops.py``: it converts ``t
 to blocks, picks defaults, runs the selection, then the autograd-enabled ``flashmsa::forward``.
 """
 
-from typing import Optional, Tuple, Union
+import numbers
+from typing import Dict, Optional, Tuple, Union
 
 import torch
 
@@ -13,6 +14,7 @@ from ._ops import ops
 BLOCK_SIZE = 128  # tokens per KV block (SPEC.md Bk)
 MAX_TOP_K_BLOCKS = 64  # K <= 64 blocks
 MODES = ("sparse", "warmup")
+HEAD_NAMES = ("num_heads", "num_kv_heads", "num_proxy_heads", "num_proxy_kv_heads")
 
 
 class _LastKL:
@@ -37,7 +39,8 @@ def new_kl_sink(device: Union[str, torch.device, None] = None) -> torch.Tensor:
 
 def last_kl() -> Optional[torch.Tensor]:
     """The true KL value (SPEC.md §3) of the most recent eager ``msa_attention`` /
-    ``flash_msa_func`` call made without a ``kl_sink``, as an fp32 0-d tensor on its device.
+    ``flash_msa_func`` call made without a ``kl_sink``, as an fp32 0-d tensor on its device. A call
+    that raises leaves it as it was.
 
     The backward computes it, so it is None until ``loss.backward()`` has run for that call.
     Reading it with ``.item()`` synchronises the host: log it every n steps. Calls traced by
@@ -63,10 +66,42 @@ def _scale(value: Optional[float], name: str, caller: str) -> float:
     """None -> 0.0, which the ops read as the default dim^-1/2."""
     if value is None:
         return 0.0
+    if not isinstance(value, (numbers.Real, torch.SymFloat, torch.SymInt)):
+        raise TypeError(f"{caller}: {name}: must be a float or None, got {type(value).__name__}")
     value = float(value)
     if not (value > 0.0 and value != float("inf")):
         raise ValueError(f"{caller}: {name}: must be a finite positive float or None, got {value}")
     return value
+
+
+def _check_sizes(sizes: Dict[str, int], caller: str) -> None:
+    """Each named size (a head count, a dim, batch, seqlen) is an int >= 1, as the ops require."""
+    for name, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{caller}: {name}: must be an int, got {type(value).__name__}")
+        if value < 1:
+            raise ValueError(f"{caller}: {name}: must be >= 1, got {value}")
+
+
+def _check_heads(heads: int, kv_heads: int, proxy_heads: int, proxy_kv_heads: int, caller: str,
+                 names: Tuple[str, str, str, str] = HEAD_NAMES) -> None:
+    """The head-count rules of the ops (src/api/validate.cpp, check_shape), worded as they word
+    them, for the callers that need them before any op runs (block_recall, MSAAttention). ``names``
+    are the arguments the four counts come from, e.g. "q.size(2) (num_heads)"."""
+    _check_sizes(dict(zip(names, (heads, kv_heads, proxy_heads, proxy_kv_heads))), caller)
+    if heads % kv_heads != 0:
+        raise ValueError(f"{caller}: {names[0]}: must be divisible by num_kv_heads (H % Hkv == 0), "
+                         f"got H={heads}, Hkv={kv_heads}")
+    if heads % proxy_heads != 0:
+        raise ValueError(f"{caller}: {names[0]}: must be divisible by num_proxy_heads (H % Hp == 0), "
+                         f"got H={heads}, Hp={proxy_heads}")
+    if proxy_heads % proxy_kv_heads != 0:
+        raise ValueError(f"{caller}: {names[2]}: must be divisible by num_proxy_kv_heads "
+                         f"(Hp % Hpk == 0), got Hp={proxy_heads}, Hpk={proxy_kv_heads}")
+    if proxy_heads % kv_heads != 0:
+        raise ValueError(f"{caller}: {names[2]}: must be divisible by num_kv_heads (Hp % Hkv == 0: "
+                         f"each proxy group lies inside one KV group), got Hp={proxy_heads}, "
+                         f"Hkv={kv_heads}")
 
 
 def _check_kl_sink(sink, q: torch.Tensor, caller: str) -> None:
@@ -154,10 +189,11 @@ def msa_attention(
     blocks = top_k_blocks(top_k, caller=caller)
     sigma = _scale(softmax_scale, "softmax_scale", caller)
     sigma_p = _scale(proxy_scale, "proxy_scale", caller)
+    own_sink = None
     if not return_kl:
         kl_sink = None
     elif kl_sink is None and not torch.compiler.is_compiling():
-        kl_sink = _last.sink = new_kl_sink(q.device)
+        kl_sink = own_sink = new_kl_sink(q.device)
     elif kl_sink is not None:
         _check_kl_sink(kl_sink, q, caller)
     block_idx = None
@@ -165,6 +201,8 @@ def msa_attention(
         block_idx = ops.select(q_proxy.detach(), k_proxy.detach(), blocks, sigma_p)
     out, _, _, kl = ops.forward(q, k, v, q_proxy, k_proxy, block_idx, blocks, mode, sigma, sigma_p,
                                 bool(deterministic), kl_sink)
+    if own_sink is not None:  # only now that the ops took the input: a failed call keeps last_kl()
+        _last.sink = own_sink
     return (out, kl) if return_kl else out
 
 

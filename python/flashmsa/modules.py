@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from . import eager
-from .functional import MODES, msa_attention, new_kl_sink, top_k_blocks
+from .functional import (MODES, _check_heads, _check_sizes, _scale, msa_attention, new_kl_sink,
+                         top_k_blocks)
 from .monitor import block_recall
 
 
@@ -59,7 +60,8 @@ class MSAAttention(nn.Module):
         num_heads, num_kv_heads: H and Hkv of the main attention.
         num_proxy_heads, num_proxy_kv_heads: Hp and Hpk of the index branch (paper: Hp = Hkv,
             Hpk = 1).
-        head_dim, proxy_head_dim: D and Di (the kernels take 128; the CPU reference any even dim).
+        head_dim, proxy_head_dim: D and Di (the kernels take 128; the CPU reference any multiple
+            of 8; backend='eager' any dim, even with rotary_base set).
         top_k: tokens kept per query and proxy head, a multiple of 128.
         mode: "warmup" (dense attention, KL over all causal tokens) or "sparse"; switch with
             ``set_mode``.
@@ -81,10 +83,26 @@ class MSAAttention(nn.Module):
                  deterministic: bool = False, bias: bool = False, backend: str = "flashmsa",
                  recall_rows: int = 0, device=None, dtype=None):
         super().__init__()
-        top_k_blocks(top_k, caller="MSAAttention")
+        # NOTES: what msa_attention would reject at the first forward is rejected here, through the
+        # same checks (functional.py).
+        caller = "MSAAttention"
+        top_k_blocks(top_k, caller=caller)
+        _check_heads(num_heads, num_kv_heads, num_proxy_heads, num_proxy_kv_heads, caller)
+        proxy_head_dim = head_dim if proxy_head_dim is None else proxy_head_dim
+        _check_sizes({"head_dim": head_dim, "proxy_head_dim": proxy_head_dim}, caller)
         if backend not in ("flashmsa", "eager"):
-            raise ValueError(f"MSAAttention: backend: must be 'flashmsa' or 'eager', got {backend!r}")
-        proxy_head_dim = proxy_head_dim or head_dim
+            raise ValueError(f"{caller}: backend: must be 'flashmsa' or 'eager', got {backend!r}")
+        for name, dim in (("head_dim", head_dim), ("proxy_head_dim", proxy_head_dim)):
+            if backend == "flashmsa" and dim % 8 != 0:
+                raise ValueError(f"{caller}: {name}: must be a multiple of 8 with backend='flashmsa' "
+                                 f"(row strides are multiples of 8 elements), got {dim}")
+            if rotary_base is not None and dim % 2 != 0:
+                raise ValueError(f"{caller}: {name}: must be even with rotary_base set (the "
+                                 f"rotary embedding turns pairs), got {dim}")
+        _scale(softmax_scale, "softmax_scale", caller)
+        _scale(proxy_scale, "proxy_scale", caller)
+        if isinstance(recall_rows, bool) or not isinstance(recall_rows, int) or recall_rows < 0:
+            raise ValueError(f"{caller}: recall_rows: must be an int >= 0, got {recall_rows!r}")
         factory = {"device": device, "dtype": dtype}
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
         self.num_proxy_heads, self.num_proxy_kv_heads = num_proxy_heads, num_proxy_kv_heads

@@ -13,23 +13,66 @@ to the smaller block):
 
 both averaged over the batch, the proxy heads and a set of query rows (evenly spaced over the
 sequence, the last row included). Everything stays on the inputs' device: no host
-synchronisation until the caller reads a value.
+synchronisation until the caller reads a value, except the check of a block_idx the caller passes.
 """
 
 from typing import Dict, Optional
 
 import torch
 
-from .functional import BLOCK_SIZE, _check_tensor, _scale, select_blocks, top_k_blocks
+from ._ops import _check_device
+from .functional import (BLOCK_SIZE, _check_heads, _check_sizes, _check_tensor, _scale, select_blocks,
+                         top_k_blocks)
 
 # Rows of [rows, M, S] fp32 scores computed at a time, so that a 1M-token sequence needs
 # ≈ 512 MB of scratch, not rows × H × S × 4 bytes.
 _SCRATCH_ELEMENTS = 1 << 27
 
+# The arguments the head counts come from, named as the ops name them (bindings/torch/tensor_args.cpp).
+_HEAD_ARGUMENTS = ("q.size(2) (num_heads)", "k.size(2) (num_kv_heads)",
+                   "q_proxy.size(2) (num_proxy_heads)", "k_proxy.size(2) (num_proxy_kv_heads)")
+
 
 def _sample_rows(seqlen: int, rows: int, device: torch.device) -> torch.Tensor:
+    """min(rows, seqlen) rows evenly spaced from 0 to seqlen - 1 (rounded half up). Their spacing is
+    at least 1, so they are distinct and ascending without a unique() (which would synchronise)."""
     count = min(rows, seqlen)
-    return torch.linspace(0, seqlen - 1, count, device=device).round().long().unique()
+    if count == 1:
+        return torch.full((1,), seqlen - 1, dtype=torch.long, device=device)
+    steps = torch.arange(count, dtype=torch.long, device=device)
+    return (2 * steps * (seqlen - 1) + (count - 1)) // (2 * (count - 1))
+
+
+def _check_block_idx_rows(block_idx: torch.Tensor, row_ids: torch.Tensor, num_blocks: int,
+                          caller: str) -> None:
+    """The rows of block_idx that are measured hold what select_blocks writes: blocks in [0, NB),
+    -1 only in the slots after the row's blocks, no block twice. Reading the verdict synchronises
+    the host once."""
+    chosen = block_idx[:, :, row_ids]                                       # [B, Hp, R, K]
+    empty = chosen == -1
+    out_of_range = (chosen < -1) | (chosen >= num_blocks)
+    block_after_empty = ~empty & (empty.cumsum(dim=-1) > 0)
+    ordered = chosen.sort(dim=-1).values
+    repeated = (ordered[..., 1:] == ordered[..., :-1]) & (ordered[..., 1:] >= 0)
+    verdicts = torch.stack((out_of_range.any(), block_after_empty.any(), repeated.any())).tolist()
+    if not any(verdicts):
+        return
+
+    def first(mask):  # the first offending entry of a [B, Hp, R, K] mask, and its row's name
+        b, p, r, slot = mask.nonzero()[0].tolist()
+        return (b, p, r), slot, f"block_idx[{b}, {p}, {row_ids[r].item()}"
+
+    if verdicts[0]:
+        row, slot, name = first(out_of_range)
+        raise ValueError(f"{caller}: block_idx: entries must be -1 or a block in [0, {num_blocks}) "
+                         f"(NB = ceil(S/{BLOCK_SIZE})), got {name}, {slot}] = {chosen[row][slot].item()}")
+    if verdicts[1]:
+        row, _, name = first(block_after_empty)
+        raise ValueError(f"{caller}: block_idx: -1 (no block) may only fill the slots after a row's "
+                         f"blocks, got {name}] = {chosen[row].tolist()}")
+    row, position, name = first(repeated)
+    raise ValueError(f"{caller}: block_idx: a row must not hold a block twice, got block "
+                     f"{ordered[row][position + 1].item()} twice in {name}] = {chosen[row].tolist()}")
 
 
 def block_recall(q: torch.Tensor, k: torch.Tensor, q_proxy: torch.Tensor, k_proxy: torch.Tensor,
@@ -45,8 +88,11 @@ def block_recall(q: torch.Tensor, k: torch.Tensor, q_proxy: torch.Tensor, k_prox
         softmax_scale, proxy_scale: sigma and sigma_p, defaults D^-1/2 and Di^-1/2.
         rows: query rows per sequence to measure, evenly spaced (the cost is rows × H × S × D
             multiply-adds for the teacher plus one select_blocks call).
-        block_idx: the selection to measure, [B, Hp, S, K] int32, when the caller already has it;
-            by default select_blocks(q_proxy, k_proxy, top_k).
+        block_idx: the selection to measure, [B, Hp, S, K] int32 (or int64) on q's device, when
+            the caller already has it; by default select_blocks(q_proxy, k_proxy, top_k). Its
+            measured rows must hold what select_blocks writes: blocks in [0, ceil(S/128)), -1 only
+            in the slots after the row's blocks, no block twice; checking that reads a verdict back
+            to the host, so passing block_idx synchronises the host once (on CUDA).
 
     Returns:
         {"block_recall": ..., "score_recall": ...}, each a 0-d fp32 tensor on q's device.
@@ -59,25 +105,33 @@ def block_recall(q: torch.Tensor, k: torch.Tensor, q_proxy: torch.Tensor, k_prox
                              f"{list(tensor.shape)}")
     blocks = top_k_blocks(top_k, caller=caller)
     sigma = _scale(softmax_scale, "softmax_scale", caller)
+    _scale(proxy_scale, "proxy_scale", caller)
     if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
         raise ValueError(f"{caller}: rows: must be a positive int, got {rows!r}")
     batch, seqlen, heads, dim = q.shape
     kv_heads, proxy_heads = k.shape[2], q_proxy.shape[2]
+    _check_sizes({"q.size(0) (batch)": batch, "q.size(1) (seqlen)": seqlen, "q.size(3) (head_dim)": dim},
+                 caller)
     if k.shape[0] != batch or k.shape[1] != seqlen or k.shape[3] != dim:
         raise ValueError(f"{caller}: k: must be [{batch}, {seqlen}, Hkv, {dim}] to match q, got "
                          f"{list(k.shape)}")
     if q_proxy.shape[0] != batch or q_proxy.shape[1] != seqlen:
         raise ValueError(f"{caller}: q_proxy: must be [{batch}, {seqlen}, Hp, Di] to match q, got "
                          f"{list(q_proxy.shape)}")
-    if heads % kv_heads != 0 or heads % proxy_heads != 0 or proxy_heads % kv_heads != 0:
-        raise ValueError(f"{caller}: heads: need H % Hkv == 0, H % Hp == 0 and Hp % Hkv == 0, got "
-                         f"H={heads}, Hkv={kv_heads}, Hp={proxy_heads}")
-    if block_idx is None:
+    _check_heads(heads, kv_heads, proxy_heads, k_proxy.shape[2], caller, _HEAD_ARGUMENTS)
+    _check_device(caller, "q", q, k=k, q_proxy=q_proxy, k_proxy=k_proxy)
+    given = block_idx is not None
+    if not given:
         block_idx = select_blocks(q_proxy, k_proxy, top_k, proxy_scale=proxy_scale)
-    elif not (isinstance(block_idx, torch.Tensor) and block_idx.shape == (batch, proxy_heads, seqlen, blocks)):
-        described = list(block_idx.shape) if isinstance(block_idx, torch.Tensor) else type(block_idx).__name__
-        raise ValueError(f"{caller}: block_idx: must be [{batch}, {proxy_heads}, {seqlen}, {blocks}] "
-                         f"(select_blocks' output for this top_k), got {described}")
+    else:
+        _check_tensor(block_idx, "block_idx", caller)
+        if block_idx.shape != (batch, proxy_heads, seqlen, blocks):
+            raise ValueError(f"{caller}: block_idx: must be [{batch}, {proxy_heads}, {seqlen}, {blocks}] "
+                             f"(select_blocks' output for this top_k), got {list(block_idx.shape)}")
+        if block_idx.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{caller}: block_idx: dtype must be torch.int32 (select_blocks' output) or "
+                             f"torch.int64, got {block_idx.dtype}")
+        _check_device(caller, "q", q, block_idx=block_idx)
 
     device = q.device
     sigma = sigma if sigma > 0.0 else dim ** -0.5
@@ -85,6 +139,8 @@ def block_recall(q: torch.Tensor, k: torch.Tensor, q_proxy: torch.Tensor, k_prox
     group = heads // kv_heads
     num_blocks = (seqlen + BLOCK_SIZE - 1) // BLOCK_SIZE
     sampled = _sample_rows(seqlen, rows, device)
+    if given:
+        _check_block_idx_rows(block_idx, sampled, num_blocks, caller)
     keys = torch.arange(seqlen, device=device)
     block_of_key = keys // BLOCK_SIZE
     block_ids = torch.arange(num_blocks, device=device)
