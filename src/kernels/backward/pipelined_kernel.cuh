@@ -1004,6 +1004,9 @@ Status run_pipelined_kl_dense(const BackwardParams& params, float softmax_scale,
   if (args.dense_lists >= (int64_t(1) << 32) - 1) {
     return {StatusCode::kUnsupported, "shape: the KL-only warmup backward numbers its lists in 32 bits"};
   }
+  if (shape.seqlen >= (int64_t(1) << (32 - schedule::kSlotBits))) {  // its entries are (i << 6) in 32 bits
+    return {StatusCode::kUnsupported, "shape.seqlen: the KL-only warmup backward needs S < 2^26"};
+  }
   const int grid_limit = int(std::min<int64_t>(args.dense_lists, 1 << 30));
   const cudaError_t error = launch_pipelined<Element, true>(args, shape.heads_per_proxy(), grid_limit, stream);
   if (error == cudaSuccess) return Status::Ok();
