@@ -39,7 +39,9 @@ Status validate(const ScheduleParams& params);
 Status validate(const ForwardParams& params);
 Status validate(const BackwardParams& params);
 
-// Workspace sizes in bytes, from shapes alone (no count is ever read back from the device).
+// Workspace sizes in bytes, from shapes alone (no count is ever read back from the device); 0 for a
+// shape the op refuses (an invalid one, head dims no kernel is built for, or in sparse mode one the
+// schedule's 32-bit indices cannot hold: validate() says which).
 size_t schedule_workspace_size(const ProblemShape& shape);
 size_t forward_workspace_size(const ProblemShape& shape, Mode mode);
 // The backward's size depends on the input dtype (bf16 inputs sum dQ in fp16: ≈ 2·B·S·H·D bytes

@@ -20,6 +20,13 @@ std::string str_cat(const Parts&... parts) {
   return text.str();
 }
 
+// Whether the workspace layouts of `mode` are defined for `shape`: it passes validate's shape rules,
+// a kernel is built for its head dims, and in sparse mode the schedule can index it
+// (kernels/schedule/config.h). The *_workspace_size() queries return 0 otherwise: the ops refuse
+// such a shape, and the layouts' arithmetic (divisions by ⌊128 / M⌋, products of the sizes) holds
+// only inside these bounds.
+bool workspace_defined(const ProblemShape& shape, Mode mode);
+
 }  // namespace flashmsa::detail
 
 // When `cond` is false, return Status{code, "<arg>: <message parts...>"} from the enclosing

@@ -17,8 +17,10 @@
 //   arrays     block_idx, lse, proxy_lse, kl, kl_grad non-null where required and 4-byte aligned;
 //              schedule and workspace non-null where required and 16-byte aligned.
 //   aliasing   no output shares memory with an input or with another output (inputs may alias).
-//   supported  (dtype, head_dim, proxy_head_dim) is in supported_combinations(), else kUnsupported;
-//              checked last, so kUnsupported always means "valid, but not built".
+//   supported  (dtype, head_dim, proxy_head_dim) is in supported_combinations(), and in sparse mode
+//              the schedule's 32-bit indices hold the shape (H/Hp ≤ 128, B·Hp·S·K < 2^31,
+//              S < 2^26), else kUnsupported; checked last, so kUnsupported always means "valid,
+//              but not built".
 #include <algorithm>
 #include <array>
 #include <cmath>
@@ -30,6 +32,7 @@
 
 #include "api/check.h"
 #include "flashmsa/api.h"
+#include "kernels/schedule/config.h"
 
 namespace flashmsa {
 
@@ -148,14 +151,25 @@ Status check_scale(float scale, const std::string& arg) {
   return Status::Ok();
 }
 
+bool head_dims_built(const ProblemShape& shape) {
+  return shape.head_dim == 128 && shape.proxy_head_dim == 128;
+}
+
 // NOTES: run last, so that kUnsupported is only ever returned for input that is otherwise valid.
-Status check_supported(const ProblemShape& shape, DType dtype, const std::string& prefix) {
-  const bool built = shape.head_dim == 128 && shape.proxy_head_dim == 128;
+// `sparse`: the op reads the schedule (sparse-mode schedule, forward and backward), whose limits
+// come from the shape alone (kernels/schedule/config.h).
+Status check_supported(const ProblemShape& shape, DType dtype, const std::string& prefix,
+                       bool sparse) {
   FLASHMSA_CHECK_SUPPORTED(
-      built, prefix + (shape.head_dim != 128 ? "shape.head_dim" : "shape.proxy_head_dim"),
+      head_dims_built(shape),
+      prefix + (shape.head_dim != 128 ? "shape.head_dim" : "shape.proxy_head_dim"),
       "no kernel is built for dtype=", dtype_name(dtype), ", head_dim=", shape.head_dim,
       ", proxy_head_dim=", shape.proxy_head_dim, "; supported combinations:\n",
       supported_combinations());
+  if (sparse) {
+    const char* limit = kernels::schedule::schedule_limit(shape);
+    FLASHMSA_CHECK_SUPPORTED(limit == nullptr, prefix + "shape", limit);
+  }
   return Status::Ok();
 }
 
@@ -421,6 +435,12 @@ Status check_forward_fields(const ForwardParams& params, const std::string& pref
 
 }  // namespace
 
+bool detail::workspace_defined(const ProblemShape& shape, Mode mode) {
+  if (!check_shape(shape, "").ok() || !head_dims_built(shape)) return false;
+  if (mode == Mode::kWarmup) return true;
+  return mode == Mode::kSparse && kernels::schedule::schedule_limit(shape) == nullptr;
+}
+
 Status validate(const SelectParams& params) {
   const ProblemShape& shape = params.shape;
   FLASHMSA_RETURN_IF_ERROR(check_shape(shape, ""));
@@ -437,11 +457,11 @@ Status validate(const SelectParams& params) {
   FLASHMSA_RETURN_IF_ERROR(check_array(params.block_idx, "block_idx", block_idx_bytes(shape),
                                        kScalarAlignBytes, Presence::kRequired, &block_idx));
   FLASHMSA_RETURN_IF_ERROR(check_disjoint({&block_idx}, {&q_proxy, &k_proxy}));
-  return check_supported(shape, params.dtype, "");
+  return check_supported(shape, params.dtype, "", /*sparse=*/false);
 }
 
-// NOTES: the schedule reads only block_idx (no dtype, no head dim), so no supported-combination
-// check applies to it.
+// NOTES: the schedule reads only block_idx (no dtype, no head dim), so of the supported checks only
+// its own size limits apply.
 Status validate(const ScheduleParams& params) {
   const ProblemShape& shape = params.shape;
   FLASHMSA_RETURN_IF_ERROR(check_shape(shape, ""));
@@ -452,7 +472,10 @@ Status validate(const ScheduleParams& params) {
   FLASHMSA_RETURN_IF_ERROR(check_workspace(params.workspace, "workspace",
                                            schedule_workspace_size(shape),
                                            "schedule_workspace_size", &workspace));
-  return check_disjoint({&workspace}, {&block_idx});
+  FLASHMSA_RETURN_IF_ERROR(check_disjoint({&workspace}, {&block_idx}));
+  const char* limit = kernels::schedule::schedule_limit(shape);
+  FLASHMSA_CHECK_SUPPORTED(limit == nullptr, "shape", limit);
+  return Status::Ok();
 }
 
 Status validate(const ForwardParams& params) {
@@ -469,7 +492,7 @@ Status validate(const ForwardParams& params) {
       check_disjoint({&views.out, &views.lse, &views.proxy_lse, &kl, &workspace},
                      {&views.q, &views.k, &views.v, &views.q_proxy, &views.k_proxy,
                       &views.block_idx, &views.schedule}));
-  return check_supported(params.shape, params.dtype, "");
+  return check_supported(params.shape, params.dtype, "", params.mode == Mode::kSparse);
 }
 
 // NOTES: the backward writes the KL value into fwd.kl (optional; docs/design.md "Backward"), so it
@@ -513,7 +536,7 @@ Status validate(const BackwardParams& params) {
       {&dq, &dk, &dv, &dq_proxy, &dk_proxy, &kl, &workspace},
       {&views.q, &views.k, &views.v, &views.q_proxy, &views.k_proxy, &views.block_idx,
        &views.schedule, &views.out, &views.lse, &views.proxy_lse, &dout, &kl_grad}));
-  return check_supported(shape, dtype, "fwd.");
+  return check_supported(shape, dtype, "fwd.", fwd.mode == Mode::kSparse);
 }
 
 }  // namespace flashmsa

@@ -268,6 +268,10 @@ class Problem {
 const Config kPaper = {"paper_bshd", 2, 200, 64, 4, 4, 1, 16, DType::kBF16, Layout::kBSHD};
 const Config kPaperPacked = {"paper_packed", 2, 200, 64, 4, 4, 1, 16, DType::kBF16,
                              Layout::kPacked};
+// H/Hp = 256 (valid by SPEC.md): no 128-row tile of the schedule holds one token's heads, so every
+// sparse-mode op refuses it as unsupported.
+const Config kManyHeadsPerProxy = {"h256_hp1", 1, 256, 256, 1, 1, 1, 2, DType::kBF16,
+                                   Layout::kBSHD};
 
 const std::vector<Config> kValidConfigs = {
     kPaper,
@@ -407,6 +411,49 @@ TEST(ValidParams, WorkspaceIsRequiredExactlyWhenSized) {
   }
 }
 
+// The size queries are total: a shape the ops refuse sizes to 0 (and returns at once: an invalid
+// top_k once made the chunk search loop forever, H/Hp > 128 divided by zero).
+TEST(WorkspaceSizes, ZeroForShapesTheOpsRefuse) {
+  const ProblemShape paper = cases::problem_shape(1, 4096, 64, 4, 4, 1, 16);
+  ASSERT_GT(schedule_workspace_size(paper), 0u);
+  ASSERT_GT(forward_workspace_size(paper, Mode::kSparse), 0u);
+  ASSERT_GT(backward_workspace_size(paper, Mode::kSparse, false), 0u);
+  ASSERT_GT(backward_workspace_size(paper, Mode::kWarmup, false), 0u);
+  auto with = [&](const std::function<void(ProblemShape&)>& change) {
+    ProblemShape shape = paper;
+    change(shape);
+    return shape;
+  };
+  struct Refused {
+    const char* name;
+    ProblemShape shape;
+    bool warmup_too;  // refused by the warmup ops as well (no schedule there)
+  };
+  const Refused refused[] = {
+      {"top_k 0", with([](ProblemShape& s) { s.top_k = 0; }), true},
+      {"top_k -3", with([](ProblemShape& s) { s.top_k = -3; }), true},
+      {"no heads", ProblemShape{}, true},
+      {"seqlen -5", with([](ProblemShape& s) { s.seqlen = -5; }), true},
+      {"head_dim 64", with([](ProblemShape& s) { s.head_dim = s.proxy_head_dim = 64; }), true},
+      {"H/Hp 256", cases::problem_shape(1, 1024, 256, 1, 1, 1, 16), false},
+      {"S 2^26", cases::problem_shape(1, int64_t(1) << 26, 4, 1, 1, 1, 1), false},
+  };
+  for (const Refused& r : refused) {
+    SCOPED_TRACE(r.name);
+    EXPECT_EQ(schedule_workspace_size(r.shape), 0u);
+    EXPECT_EQ(forward_workspace_size(r.shape, Mode::kSparse), 0u);
+    EXPECT_EQ(backward_workspace_size(r.shape, Mode::kSparse, false), 0u);
+    EXPECT_EQ(backward_workspace_size(r.shape, Mode::kSparse, true), 0u);
+    if (r.warmup_too) {
+      EXPECT_EQ(backward_workspace_size(r.shape, Mode::kWarmup, false), 0u);
+    } else {
+      EXPECT_GT(backward_workspace_size(r.shape, Mode::kWarmup, false), 0u);
+    }
+  }
+  EXPECT_EQ(forward_workspace_size(paper, static_cast<Mode>(7)), 0u);
+  EXPECT_EQ(backward_workspace_size(paper, static_cast<Mode>(7), false), 0u);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Bad inputs: one named case each
 // ---------------------------------------------------------------------------------------------
@@ -427,9 +474,10 @@ std::function<Status()> on_select(std::function<void(SelectParams&)> change) {
   };
 }
 
-std::function<Status()> on_schedule(std::function<void(ScheduleParams&)> change) {
-  return [change] {
-    ScheduleParams params = problem(kPaper).schedule_params();
+std::function<Status()> on_schedule(std::function<void(ScheduleParams&)> change,
+                                    const Config& config = kPaper) {
+  return [change, config] {
+    ScheduleParams params = problem(config).schedule_params();
     change(params);
     return validate(params);
   };
@@ -686,6 +734,21 @@ const std::vector<BadCase> kBadCases = {
        p.fwd.kl = static_cast<float*>(p.dout.ptr);
      }),
      kInvalid, "fwd.kl", "dout"},
+
+    // ---- sparse mode: what the schedule's tiles and 32-bit indices cannot hold ----
+    {"schedule_heads_per_proxy_over_128", on_schedule([](ScheduleParams&) {}, kManyHeadsPerProxy),
+     kUnsupported, "shape", "H/Hp must be ≤ 128"},
+    {"forward_heads_per_proxy_over_128", on_forward([](ForwardParams&) {}, kManyHeadsPerProxy),
+     kUnsupported, "shape", "H/Hp must be ≤ 128"},
+    {"backward_heads_per_proxy_over_128", on_backward([](BackwardParams&) {}, kManyHeadsPerProxy),
+     kUnsupported, "fwd.shape", "H/Hp must be ≤ 128"},
+    {"schedule_seqlen_2_pow_26",
+     on_schedule([](ScheduleParams& p) { p.shape.seqlen = int64_t(1) << 26; }), kUnsupported,
+     "shape", "S < 2^26"},
+    {"schedule_entries_2_pow_31", on_schedule([](ScheduleParams& p) {
+       p.shape.seqlen = int64_t(1) << 25;  // B·Hp·S·K = 2·4·2^25·16 = 2^32 entries
+     }),
+     kUnsupported, "shape", "B·Hp·S·K < 2^31"},
 };
 
 void PrintTo(const BadCase& bad, std::ostream* os) { *os << bad.name; }
@@ -736,6 +799,13 @@ TEST(NothingWritten, BackwardWithMisalignedDq) {
   params.dq.ptr = offset_bytes(params.dq.ptr, 2);
   const Status status = backward(params, nullptr);
   EXPECT_EQ(status.code, StatusCode::kInvalidArgument) << status.message;
+  EXPECT_TRUE(p.untouched());
+}
+
+TEST(NothingWritten, SparseForwardWithTooManyHeadsPerProxy) {
+  Problem p(kManyHeadsPerProxy);
+  const Status status = forward(p.forward_params(), nullptr);
+  EXPECT_EQ(status.code, StatusCode::kUnsupported) << status.message;
   EXPECT_TRUE(p.untouched());
 }
 

@@ -230,15 +230,10 @@ inline Status cuda_status(cudaError_t error, const char* what) {
 
 inline Status run_schedule(const ScheduleParams& params, cudaStream_t stream) {
   const ProblemShape& shape = params.shape;
+  if (const char* limit = schedule_limit(shape)) {
+    return {StatusCode::kUnsupported, std::string("shape: ") + limit};
+  }
   const ScheduleLayout layout = make_schedule_layout(shape);
-  if (layout.entries >= (int64_t(1) << 31) || layout.key_bits > 32 ||
-      shape.seqlen >= (int64_t(1) << (32 - kSlotBits))) {
-    return {StatusCode::kUnsupported,
-            "shape: the schedule indexes entries and keys in 32 bits (B·Hp·S·K < 2^31, S < 2^26)"};
-  }
-  if (shape.heads_per_proxy() > kBlockSize) {
-    return {StatusCode::kUnsupported, "shape: heads per proxy head H/Hp must be ≤ 128"};
-  }
   char* base = static_cast<char*>(params.workspace);
   auto at = [&](size_t offset) { return reinterpret_cast<uint32_t*>(base + offset); };
   const int entries = int(layout.entries);
