@@ -13,6 +13,7 @@
 // measured with meta tensors on a 2-core CI machine); this kernel costs well under 1 µs when no
 // input requires a gradient. LibTorch programs (include/flashmsa/torch.h) get the same autograd.
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
@@ -139,6 +140,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_autograd(
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(flashmsa, Autograd, m) { m.impl("forward", &forward_autograd); }
+// The backward op has no derivative of its own: a gradient of a gradient (create_graph=True, then
+// backward again) raises "derivative for flashmsa::backward is not implemented" instead of
+// silently returning zeros.
+TORCH_LIBRARY_IMPL(flashmsa, Autograd, m) {
+  m.impl("forward", &forward_autograd);
+  m.impl("backward", torch::autograd::autogradNotImplementedFallback());
+}
 
 }  // namespace flashmsa::torch_binding

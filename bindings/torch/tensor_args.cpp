@@ -53,6 +53,11 @@ constexpr std::array<std::pair<const char*, const char*>, 4> kTensorFields = {{
     {".ptr", ".data_ptr()"},
 }};
 
+// Appended where token counts disagree: the usual cause is a head-major tensor passed as it is.
+constexpr const char* kLayoutHint =
+    " (tensors are [batch, seqlen, heads, dim]; pass a [batch, heads, seqlen, dim] one as "
+    ".transpose(1, 2))";
+
 // Checked before any output is sized from it (select's block_idx, the forward's block_idx shape).
 void check_top_k(int64_t top_k, Op op) {
   TORCH_CHECK_VALUE(top_k >= 1 && top_k <= kMaxTopK, op_name(op),
@@ -153,7 +158,7 @@ ProblemShape attention_shape(const at::Tensor& q, const at::Tensor& k, const at:
   const auto same_tokens = [&](const at::Tensor& tensor, const char* name) {
     TORCH_CHECK_VALUE(tensor.size(0) == q.size(0) && tensor.size(1) == q.size(1), op_name(op), ": ",
                       name, ": [batch, seqlen] must match q's [", q.size(0), ", ", q.size(1),
-                      "], got shape ", sizes_text(tensor));
+                      "], got shape ", sizes_text(tensor), kLayoutHint);
   };
   same_tokens(k, "k");
   same_tokens(v, "v");
@@ -193,7 +198,8 @@ ProblemShape select_shape(const at::Tensor& q_proxy, const at::Tensor& k_proxy, 
   check_activation(k_proxy, "k_proxy", q_proxy, "q_proxy", op);
   TORCH_CHECK_VALUE(k_proxy.size(0) == q_proxy.size(0) && k_proxy.size(1) == q_proxy.size(1),
                     op_name(op), ": k_proxy: [batch, seqlen] must match q_proxy's [",
-                    q_proxy.size(0), ", ", q_proxy.size(1), "], got shape ", sizes_text(k_proxy));
+                    q_proxy.size(0), ", ", q_proxy.size(1), "], got shape ", sizes_text(k_proxy),
+                    kLayoutHint);
   TORCH_CHECK_VALUE(k_proxy.size(3) == q_proxy.size(3), op_name(op),
                     ": k_proxy: head dim must match q_proxy's (", q_proxy.size(3), "), got ",
                     k_proxy.size(3));

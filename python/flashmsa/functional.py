@@ -39,20 +39,23 @@ def new_kl_sink(device: Union[str, torch.device, None] = None) -> torch.Tensor:
 
 def last_kl() -> Optional[torch.Tensor]:
     """The true KL value (SPEC.md §3) of the most recent eager ``msa_attention`` /
-    ``flash_msa_func`` call made without a ``kl_sink``, as an fp32 0-d tensor on its device. A call
-    that raises leaves it as it was.
+    ``flash_msa_func`` call made without a ``kl_sink`` while autograd records it (grad enabled and
+    an input requiring grad), as an fp32 0-d tensor on its device. A call that raises leaves it as
+    it was.
 
     The backward computes it, so it is None until ``loss.backward()`` has run for that call.
-    Reading it with ``.item()`` synchronises the host: log it every n steps. Calls traced by
-    torch.compile do not update it; pass a ``kl_sink`` there (MSAAttention does).
+    Reading it with ``.item()`` synchronises the host: log it every n steps. A call traced by
+    torch.compile without a ``kl_sink`` resets it to None rather than leave an older eager value;
+    pass a ``kl_sink`` there (MSAAttention does).
     """
     return None if _last.sink is None else _last.sink.grad
 
 
 def top_k_blocks(top_k: int, *, name: str = "top_k", caller: str = "msa_attention") -> int:
     """``top_k`` in tokens (a multiple of 128, as in Flash-MSA) -> K blocks, with the rule checked."""
-    if isinstance(top_k, bool) or not isinstance(top_k, int):
+    if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral):
         raise TypeError(f"{caller}: {name}: must be an int number of tokens, got {type(top_k).__name__}")
+    top_k = int(top_k)  # e.g. a numpy integer
     if top_k % BLOCK_SIZE != 0 or not BLOCK_SIZE <= top_k <= BLOCK_SIZE * MAX_TOP_K_BLOCKS:
         raise ValueError(
             f"{caller}: {name}: must be a multiple of {BLOCK_SIZE} tokens in "
@@ -169,10 +172,13 @@ def msa_attention(
         mode: "sparse" (attention over the selected blocks) or "warmup" (dense causal attention,
             the KL taken over all visible tokens; no selection is computed).
         deterministic: ask the backward for a run-to-run bitwise identical result.
-        return_kl: when False, return ``out`` only (the KL then sends no gradient).
+        return_kl: when False, return ``out`` only (the KL then sends no gradient and computes
+            no value; a ``kl_sink`` is refused).
         kl_sink: where the true KL value goes (see ``new_kl_sink()``): an fp32 0-d tensor with
             requires_grad=True on the inputs' device; the backward of this call adds the value to
-            ``kl_sink.grad``. When None (eager mode), a fresh sink is made: ``last_kl()``.
+            ``kl_sink.grad``. When None (eager mode, autograd recording), a fresh sink is made:
+            ``last_kl()``. Without a sink and with no input requiring grad (evaluation), ``out``
+            does not require grad either, as with SDPA.
 
     Returns:
         ``(out, kl)``: out [B, S, H, D] contiguous in the input dtype; kl a 0-d fp32 tensor whose
@@ -180,6 +186,11 @@ def msa_attention(
         ``loss = task_loss + lam * kl`` works with no host synchronisation. Its VALUE is 0: the
         forward cannot know the final softmax statistics, so the KL value is accumulated by the
         backward and lands in ``kl_sink.grad`` (or ``last_kl()``) once ``backward()`` has run.
+        For the same reason ``torch.autograd.gradcheck`` applies to ``out`` only; the KL
+        gradients are checked against ``flashmsa.eager.msa_attention`` (tests/python).
+
+    The CUDA kernels take head_dim = proxy_head_dim = 128 (others raise NotImplementedError);
+    the CPU reference takes any multiple of 8.
     """
     caller = "msa_attention"
     for tensor, name in ((q, "q"), (k, "k"), (v, "v"), (q_proxy, "q_proxy"), (k_proxy, "k_proxy")):
@@ -191,11 +202,15 @@ def msa_attention(
     sigma_p = _scale(proxy_scale, "proxy_scale", caller)
     own_sink = None
     if not return_kl:
-        kl_sink = None
-    elif kl_sink is None and not torch.compiler.is_compiling():
-        kl_sink = own_sink = new_kl_sink(q.device)
+        if kl_sink is not None:
+            raise ValueError(f"{caller}: kl_sink: must be None with return_kl=False (no KL value is "
+                             f"computed then)")
     elif kl_sink is not None:
         _check_kl_sink(kl_sink, q, caller)
+    elif torch.compiler.is_compiling():
+        _last.sink = None  # replayed on every compiled call: last_kl() never shows a stale value
+    elif torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, q_proxy, k_proxy)):
+        kl_sink = own_sink = new_kl_sink(q.device)
     block_idx = None
     if mode == "sparse":
         block_idx = ops.select(q_proxy.detach(), k_proxy.detach(), blocks, sigma_p)

@@ -50,8 +50,10 @@ class MSAAttention(nn.Module):
     """Causal GQA attention with MiniMax Sparse Attention's index branch.
 
     forward(hidden_states [B, S, hidden_size], positions=None) -> (out [B, S, hidden_size], kl).
-    ``kl`` is msa_attention's 0-valued loss term: add ``lam * kl`` to the loss. After backward the
-    true KL value is in ``self.kl_value`` (fp32 0-d tensor on the layer's device). It accumulates
+    ``kl`` is the loss term: add ``lam * kl`` to the loss. With backend="flashmsa" its value is 0
+    (msa_attention's term, whose gradient trains the proxies); with backend="eager" it is the KL
+    value itself; the gradients are the same. After backward the true KL value is in
+    ``self.kl_value`` (fp32 0-d tensor on the layer's device), with either backend. It accumulates
     over the backward passes since ``reset_kl()`` (e.g. over micro-batches), like a gradient that
     ``optimizer.zero_grad()`` does not touch: call ``reset_kl()`` once per step.
 
@@ -67,6 +69,8 @@ class MSAAttention(nn.Module):
             ``set_mode``.
         detach_proxy_input: proxies read hidden_states.detach() (default True).
         rotary_base: base of the rotary embedding applied to q, k, q_proxy and k_proxy; None: none.
+            It turns interleaved pairs (x[2i], x[2i+1]) as Flash-MSA's model does (GPT-J style),
+            not the halves (x[i], x[i + dim/2]) of Llama / GPT-NeoX checkpoints.
         backend: "flashmsa" (the ops) or "eager" (flashmsa.eager, for comparisons).
         recall_rows: when > 0, every forward also measures the index branch against the main
             attention on that many query rows (flashmsa.block_recall: block and score recall, in
@@ -164,6 +168,9 @@ class MSAAttention(nn.Module):
         if self.rotary_base is not None:
             if positions is None:
                 positions = torch.arange(seqlen, device=hidden_states.device)
+            elif positions.shape != (seqlen,):
+                raise ValueError(f"MSAAttention: positions: must be [S] = [{seqlen}] (one position per "
+                                 f"token, shared by the batch), got {list(positions.shape)}")
             q, k, q_proxy, k_proxy = (apply_rotary(x, positions, self.rotary_base)
                                       for x in (q, k, q_proxy, k_proxy))
         scales = {"softmax_scale": self.softmax_scale, "proxy_scale": self.proxy_scale}

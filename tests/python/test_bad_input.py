@@ -117,6 +117,13 @@ CASES = {
                                      ValueError, "Hp % Hkv"),
     "empty_sequence": (lambda: call(make_inputs(HEADS, 0, dtype=torch.bfloat16)), ValueError, "seqlen"),
     "kl_sink_without_grad": (lambda: call(good(), kl_sink=torch.zeros(())), ValueError, "kl_sink"),
+    "kl_sink_with_return_kl_false": (lambda: call(good(), return_kl=False, kl_sink=flashmsa.new_kl_sink()),
+                                     ValueError, "kl_sink: must be None with return_kl=False"),
+    "head_major_without_transpose": (lambda: call([t.transpose(1, 2).contiguous() for t in good()]),
+                                     ValueError, "pass a [batch, heads, seqlen, dim] one as .transpose(1, 2)"),
+    "module_positions_batched": (lambda: flashmsa.MSAAttention(64, 4, 2, 2, head_dim=16, top_k=128)(
+                                     torch.randn(2, 256, 64), positions=torch.zeros(2, 256, dtype=torch.long)),
+                                 ValueError, "positions: must be [S] = [256]"),
     "kl_sink_wrong_dtype": (lambda: call(good(), kl_sink=torch.zeros((), dtype=torch.float64, requires_grad=True)),
                             ValueError, "kl_sink"),
     "select_top_k_tokens": (lambda: flashmsa.select_blocks(*good()[3:], 64), ValueError, "top_k"),

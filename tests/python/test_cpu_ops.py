@@ -175,6 +175,36 @@ def test_return_kl_false():
     assert inputs[3].grad.abs().max() == 0
 
 
+def test_evaluation_records_nothing():
+    """No input requires grad and no sink: out does not require grad (as with SDPA), and last_kl()
+    keeps the value of the last call that recorded autograd."""
+    trained = make_inputs(SMALL_CONFIGS["gqa"], 256, requires_grad=True)
+    out, kl = flashmsa.msa_attention(*trained, 256)
+    (out.sum() + kl).backward()
+    before = flashmsa.last_kl()
+    assert before is not None
+    out, kl = flashmsa.msa_attention(*make_inputs(SMALL_CONFIGS["gqa"], 256, seed=1), 256)
+    assert not out.requires_grad and not kl.requires_grad
+    assert flashmsa.last_kl() is before
+
+
+def test_top_k_may_be_a_numpy_integer():
+    numpy = pytest.importorskip("numpy")
+    inputs = make_inputs(SMALL_CONFIGS["gqa"], 256)
+    expected, _ = flashmsa.msa_attention(*inputs, 256)
+    out, _ = flashmsa.msa_attention(*inputs, numpy.int64(256))
+    assert torch.equal(out, expected)
+
+
+def test_second_order_gradient_raises():
+    """The backward op has no derivative: asking for one raises instead of returning zeros."""
+    inputs = make_inputs(SMALL_CONFIGS["gqa"], 256, requires_grad=True)
+    out, _ = flashmsa.msa_attention(*inputs, 256)
+    (dq,) = torch.autograd.grad(out.sum(), inputs[0], create_graph=True)
+    with pytest.raises(RuntimeError, match="flashmsa::backward"):
+        dq.sum().backward()
+
+
 def test_leaves_are_untouched():
     inputs = make_inputs(SMALL_CONFIGS["gqa"], 256)
     copies = [t.clone() for t in inputs]

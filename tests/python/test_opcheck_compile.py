@@ -92,3 +92,18 @@ def test_compile_module(device):
     (out_compiled.float().sum() + kl).backward()
     torch.testing.assert_close(out_compiled, out)
     torch.testing.assert_close(model.kl_value, expected_kl)
+
+
+def test_compiled_call_without_sink_resets_last_kl():
+    """last_kl() never shows an older eager value after a compiled call that made no sink."""
+    inputs = make_inputs((4, 2, 2, 1), 256, requires_grad=True)
+    out, kl = flashmsa.msa_attention(*inputs, 256)
+    (out.sum() + kl).backward()
+    assert flashmsa.last_kl() is not None
+
+    def step(*tensors):
+        out, kl = flashmsa.msa_attention(*tensors, 256)
+        return out.sum() + kl
+
+    torch.compile(step, fullgraph=True, backend="aot_eager")(*leaves(inputs)).backward()
+    assert flashmsa.last_kl() is None
