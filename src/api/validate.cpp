@@ -32,7 +32,11 @@
 
 #include "api/check.h"
 #include "flashmsa/api.h"
+#include "kernels/backward/config.h"
+#include "kernels/common/limit.h"
 #include "kernels/schedule/config.h"
+#include "kernels/select/config.h"
+#include "kernels/warmup/config.h"
 
 namespace flashmsa {
 
@@ -156,20 +160,17 @@ bool head_dims_built(const ProblemShape& shape) {
 }
 
 // NOTES: run last, so that kUnsupported is only ever returned for input that is otherwise valid.
-// `sparse`: the op reads the schedule (sparse-mode schedule, forward and backward), whose limits
-// come from the shape alone (kernels/schedule/config.h).
+// `limit`: the op's kernel limits (kernels/common/limit.h), each stage's own function, which its
+// launcher checks again; its field is named as in the op's params.
 Status check_supported(const ProblemShape& shape, DType dtype, const std::string& prefix,
-                       bool sparse) {
+                       const kernels::Limit& limit) {
   FLASHMSA_CHECK_SUPPORTED(
       head_dims_built(shape),
       prefix + (shape.head_dim != 128 ? "shape.head_dim" : "shape.proxy_head_dim"),
       "no kernel is built for dtype=", dtype_name(dtype), ", head_dim=", shape.head_dim,
       ", proxy_head_dim=", shape.proxy_head_dim, "; supported combinations:\n",
       supported_combinations());
-  if (sparse) {
-    const char* limit = kernels::schedule::schedule_limit(shape);
-    FLASHMSA_CHECK_SUPPORTED(limit == nullptr, prefix + "shape", limit);
-  }
+  FLASHMSA_CHECK_SUPPORTED(!limit, limit.field, limit.rule);
   return Status::Ok();
 }
 
@@ -438,7 +439,7 @@ Status check_forward_fields(const ForwardParams& params, const std::string& pref
 bool detail::workspace_defined(const ProblemShape& shape, Mode mode) {
   if (!check_shape(shape, "").ok() || !head_dims_built(shape)) return false;
   if (mode == Mode::kWarmup) return true;
-  return mode == Mode::kSparse && kernels::schedule::schedule_limit(shape) == nullptr;
+  return mode == Mode::kSparse && !kernels::schedule::schedule_limit(shape);
 }
 
 Status validate(const SelectParams& params) {
@@ -457,7 +458,7 @@ Status validate(const SelectParams& params) {
   FLASHMSA_RETURN_IF_ERROR(check_array(params.block_idx, "block_idx", block_idx_bytes(shape),
                                        kScalarAlignBytes, Presence::kRequired, &block_idx));
   FLASHMSA_RETURN_IF_ERROR(check_disjoint({&block_idx}, {&q_proxy, &k_proxy}));
-  return check_supported(shape, params.dtype, "", /*sparse=*/false);
+  return check_supported(shape, params.dtype, "", kernels::select::select_limit(shape));
 }
 
 // NOTES: the schedule reads only block_idx (no dtype, no head dim), so of the supported checks only
@@ -473,8 +474,8 @@ Status validate(const ScheduleParams& params) {
                                            schedule_workspace_size(shape),
                                            "schedule_workspace_size", &workspace));
   FLASHMSA_RETURN_IF_ERROR(check_disjoint({&workspace}, {&block_idx}));
-  const char* limit = kernels::schedule::schedule_limit(shape);
-  FLASHMSA_CHECK_SUPPORTED(limit == nullptr, "shape", limit);
+  const kernels::Limit limit = kernels::schedule::schedule_limit(shape);
+  FLASHMSA_CHECK_SUPPORTED(!limit, limit.field, limit.rule);
   return Status::Ok();
 }
 
@@ -492,7 +493,10 @@ Status validate(const ForwardParams& params) {
       check_disjoint({&views.out, &views.lse, &views.proxy_lse, &kl, &workspace},
                      {&views.q, &views.k, &views.v, &views.q_proxy, &views.k_proxy,
                       &views.block_idx, &views.schedule}));
-  return check_supported(params.shape, params.dtype, "", params.mode == Mode::kSparse);
+  const bool sparse = params.mode == Mode::kSparse;
+  return check_supported(params.shape, params.dtype, "",
+                         sparse ? kernels::schedule::schedule_limit(params.shape)
+                                : kernels::warmup::forward_limit(params.shape));
 }
 
 // NOTES: the backward writes the KL value into fwd.kl (optional; docs/design.md "Backward"), so it
@@ -536,7 +540,15 @@ Status validate(const BackwardParams& params) {
       {&dq, &dk, &dv, &dq_proxy, &dk_proxy, &kl, &workspace},
       {&views.q, &views.k, &views.v, &views.q_proxy, &views.k_proxy, &views.block_idx,
        &views.schedule, &views.out, &views.lse, &views.proxy_lse, &dout, &kl_grad}));
-  return check_supported(shape, dtype, "fwd.", fwd.mode == Mode::kSparse);
+  kernels::Limit limit;
+  if (fwd.mode == Mode::kWarmup) {
+    limit = kernels::warmup::backward_limit(shape, params.deterministic, fwd.main_branch);
+  } else if (const kernels::Limit schedule = kernels::schedule::schedule_limit(shape, "fwd.shape")) {
+    limit = schedule;
+  } else {
+    limit = kernels::backward::sparse_limit(shape, params.deterministic);
+  }
+  return check_supported(shape, dtype, "fwd.", limit);
 }
 
 }  // namespace flashmsa

@@ -745,6 +745,33 @@ const std::vector<BadCase> kBadCases = {
     {"schedule_seqlen_2_pow_26",
      on_schedule([](ScheduleParams& p) { p.shape.seqlen = int64_t(1) << 26; }), kUnsupported,
      "shape", "S < 2^26"},
+    // ---- the other kernels' limits, each stage's function (kernels/*/config.h) ----
+    {"select_seqlen_over_8m",
+     on_select([](SelectParams& p) {
+       p.shape.seqlen = (int64_t(1) << 23) + 1;
+       // validate() never dereferences: an output address far from the (now longer) inputs.
+       p.block_idx = reinterpret_cast<int32_t*>(uintptr_t(1) << 44);
+     }),
+     kUnsupported, "shape.seqlen", "16 bits"},
+    {"sparse_backward_heads_per_proxy_32", on_backward([](BackwardParams& p) {
+       p.fwd.shape.num_proxy_heads = 2;  // H = 64: M = 32
+       p.fwd.shape.num_kv_heads = 2;
+     }),
+     kUnsupported, "fwd.shape", "H/Hp ≤ 16"},
+    {"warmup_forward_heads_per_proxy_over_128", on_forward([](ForwardParams& p) {
+       p.mode = Mode::kWarmup;
+     }, kManyHeadsPerProxy),
+     kUnsupported, "shape", "H/Hp ≤ 128"},
+    {"warmup_backward_heads_per_proxy_over_64", on_backward([](BackwardParams& p) {
+       p.fwd.mode = Mode::kWarmup;
+     }, kManyHeadsPerProxy),
+     kUnsupported, "fwd.shape", "H/Hp ≤ 64"},
+    {"kl_only_backward_deterministic", on_backward([](BackwardParams& p) {
+       p.fwd.mode = Mode::kWarmup;
+       p.fwd.main_branch = false;
+       p.deterministic = true;
+     }),
+     kUnsupported, "deterministic", "atomics"},
     {"schedule_entries_2_pow_31", on_schedule([](ScheduleParams& p) {
        p.shape.seqlen = int64_t(1) << 25;  // B·Hp·S·K = 2·4·2^25·16 = 2^32 entries
      }),

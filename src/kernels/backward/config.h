@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "flashmsa/params.h"
+#include "kernels/common/limit.h"
 #include "kernels/common/smem_limits.h"
 #include "kernels/schedule/config.h"
 
@@ -160,6 +161,42 @@ constexpr int64_t dense_lists_before(int64_t j) { return kDenseChunkBlocks * j *
 constexpr int64_t dense_chunks(int64_t seqlen) { return (seqlen + kDenseChunkTokens - 1) / kDenseChunkTokens; }
 constexpr int64_t dense_lists_per_bh(int64_t seqlen) {
   return dense_lists_before(dense_chunks(seqlen) - 1) + (seqlen + kBlockSize - 1) / kBlockSize;
+}
+
+// What the sparse backward is not built for (kernels/common/limit.h, fields named as in
+// BackwardParams; the schedule's own limits come first): M ≤ 16, and the mma.sync kernel's reverse index packs (i << 6 | slot) into an int32.
+inline Limit sparse_limit(const ProblemShape& shape, bool deterministic) {
+  if (shape.heads_per_proxy() > kMaxHeadsPerProxy) {
+    return {"fwd.shape", "the backward is built for at most 16 main heads per proxy head (H/Hp ≤ 16)"};
+  }
+  if (!pipelined_supported(shape.heads_per_proxy(), deterministic) &&
+      shape.seqlen >= (int64_t(1) << (31 - schedule::kSlotBits))) {
+    return {"fwd.shape.seqlen",
+            "the mma.sync backward (deterministic mode, H/Hp outside {2, 4, 8, 16}) needs S < 2^25"};
+  }
+  return {};
+}
+
+// What the KL-only dense pass (warmup with the main branch elsewhere) is not built for: it sums
+// with fp32 atomics on the wgmma pipeline (M in {2, 4, 8, 16}), its entries are (i << 6) in 32
+// bits and its lists are numbered in 32 bits.
+inline Limit kl_only_limit(const ProblemShape& shape, bool deterministic) {
+  if (deterministic) {
+    return {"deterministic",
+            "the KL-only warmup backward (fwd.main_branch = false) sums with atomics; use "
+            "fwd.main_branch = true for bitwise-reproducible gradients"};
+  }
+  if (!pipelined_supported(shape.heads_per_proxy(), false)) {
+    return {"fwd.shape",
+            "the KL-only warmup backward (fwd.main_branch = false) is built for H/Hp in {2, 4, 8, 16}"};
+  }
+  if (shape.seqlen >= (int64_t(1) << (32 - schedule::kSlotBits))) {
+    return {"fwd.shape.seqlen", "the KL-only warmup backward needs S < 2^26"};
+  }
+  if (dense_lists_per_bh(shape.seqlen) * shape.batch * shape.num_proxy_heads >= (int64_t(1) << 32) - 1) {
+    return {"fwd.shape", "the KL-only warmup backward numbers its lists in 32 bits"};
+  }
+  return {};
 }
 struct DenseListPosition {
   int64_t bh;  // b·Hp + p

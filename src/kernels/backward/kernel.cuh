@@ -730,17 +730,7 @@ Status run_backward(const BackwardParams& params, cudaStream_t stream) {
     return {StatusCode::kUnsupported,
             "fwd.mode: the backward of warmup mode (dense causal, SPEC.md §5) is not built yet"};
   }
-  if (shape.heads_per_proxy() > kMaxHeadsPerProxy) {
-    return {StatusCode::kUnsupported,
-            "shape: the backward is built for at most 16 main heads per proxy head (H/Hp ≤ 16)"};
-  }
-  // The mma.sync kernel's own reverse index packs (i << 6 | slot) into an int32.
-  if (!pipelined_supported(shape.heads_per_proxy(), params.deterministic) &&
-      shape.seqlen >= (int64_t(1) << (31 - kSlotBits))) {
-    return {StatusCode::kUnsupported,
-            "shape.seqlen: the mma.sync backward (deterministic mode, H/Hp outside {2, 4, 8, 16}) "
-            "needs S < 2^25"};
-  }
+  if (const Limit limit = sparse_limit(shape, params.deterministic)) return unsupported(limit);
   const Problem pb = make_problem(params);
   const WorkspaceLayout layout = workspace_layout(shape, params.deterministic, pb.dq_half);
   char* base = static_cast<char*>(params.workspace);

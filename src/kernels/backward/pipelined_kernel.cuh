@@ -1001,12 +1001,7 @@ Status run_pipelined_kl_dense(const BackwardParams& params, float softmax_scale,
   args.proxy_scale_log2 = proxy_scale * kLog2e;
   args.with_kl = 1;
   args.with_kl_grad = params.kl_grad != nullptr ? 1 : 0;
-  if (args.dense_lists >= (int64_t(1) << 32) - 1) {
-    return {StatusCode::kUnsupported, "shape: the KL-only warmup backward numbers its lists in 32 bits"};
-  }
-  if (shape.seqlen >= (int64_t(1) << (32 - schedule::kSlotBits))) {  // its entries are (i << 6) in 32 bits
-    return {StatusCode::kUnsupported, "shape.seqlen: the KL-only warmup backward needs S < 2^26"};
-  }
+  if (const Limit limit = kl_only_limit(shape, false)) return unsupported(limit);
   const int grid_limit = int(std::min<int64_t>(args.dense_lists, 1 << 30));
   const cudaError_t error = launch_pipelined<Element, true>(args, shape.heads_per_proxy(), grid_limit, stream);
   if (error == cudaSuccess) return Status::Ok();

@@ -22,6 +22,7 @@
 #include <cstdint>
 
 #include "flashmsa/params.h"
+#include "kernels/common/limit.h"
 
 namespace flashmsa::kernels::schedule {
 
@@ -71,20 +72,22 @@ inline int64_t keys_per_segment(const ProblemShape& shape) {
   return shape.num_blocks() * (shape.num_proxy_heads / shape.num_kv_heads);
 }
 
-// What the schedule cannot index, from the shape alone (empty when it can): a tile holds at least
-// one token of M heads, and entries (i << 6 | slot), their count and the list keys are 32-bit.
-// validate() reports it as kUnsupported for every sparse-mode op and run_schedule() checks it again;
-// the layouts below assume it is empty. Assumes a shape that passes validate's shape rules.
-inline const char* schedule_limit(const ProblemShape& shape) {
-  if (shape.heads_per_proxy() > kBlockSize) return "heads per proxy head H/Hp must be ≤ 128";
+// What the schedule cannot index (kernels/common/limit.h): a tile holds at least one token of M
+// heads, and entries (i << 6 | slot), their count and the list keys are 32-bit. It applies to every
+// sparse-mode op (they read the schedule); the layouts below assume it holds. Assumes a shape that
+// passes validate's shape rules. `field`: the shape's name in the op's params ("fwd.shape" in the
+// backward's).
+inline Limit schedule_limit(const ProblemShape& shape, const char* field = "shape") {
+  if (shape.heads_per_proxy() > kBlockSize) return {field, "heads per proxy head H/Hp must be ≤ 128"};
   // In this order each product is bounded by the checks before it (< 2^49 for the keys).
   if (shape.seqlen >= (int64_t(1) << (32 - kSlotBits)) ||
       shape.batch * shape.num_proxy_heads * shape.seqlen * shape.top_k >= (int64_t(1) << 31) ||
       num_chunks(shape) * keys_per_chunk(shape) >= (int64_t(1) << 32)) {
-    return "the schedule indexes entries and keys in 32 bits (B·Hp·S·K < 2^31, S < 2^26, "
-           "fewer than 2^32 lists)";
+    return {field,
+            "the schedule indexes entries and keys in 32 bits (B·Hp·S·K < 2^31, S < 2^26, fewer "
+            "than 2^32 lists)"};
   }
-  return nullptr;
+  return {};
 }
 
 inline size_t align_up(size_t bytes) { return (bytes + 255) / 256 * 256; }

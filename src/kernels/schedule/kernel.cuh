@@ -230,9 +230,7 @@ inline Status cuda_status(cudaError_t error, const char* what) {
 
 inline Status run_schedule(const ScheduleParams& params, cudaStream_t stream) {
   const ProblemShape& shape = params.shape;
-  if (const char* limit = schedule_limit(shape)) {
-    return {StatusCode::kUnsupported, std::string("shape: ") + limit};
-  }
+  if (const Limit limit = schedule_limit(shape)) return unsupported(limit);
   const ScheduleLayout layout = make_schedule_layout(shape);
   char* base = static_cast<char*>(params.workspace);
   auto at = [&](size_t offset) { return reinterpret_cast<uint32_t*>(base + offset); };

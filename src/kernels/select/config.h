@@ -12,11 +12,18 @@
 #include <cstdint>
 
 #include "flashmsa/params.h"
+#include "kernels/common/limit.h"
 #include "kernels/common/smem_limits.h"
 
 namespace flashmsa::kernels::select {
 
 constexpr int kHeadDim = 128;                 // Di; validation refuses others
+
+// What select is not built for (kernels/common/limit.h): block indices are stored in 16 bits.
+inline Limit select_limit(const ProblemShape& shape) {
+  if (shape.num_blocks() > 65536) return {"shape.seqlen", "select stores block indices in 16 bits (S ≤ 8388608)"};
+  return {};
+}
 constexpr int kHalfDim = 64;                  // elements in one 128-byte swizzled row
 constexpr int kTileRows = 256;                // query rows per CTA tile (M)
 constexpr int kConsumerWarpgroups = 2;        // mainloop + epilogue warpgroups

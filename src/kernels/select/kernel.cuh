@@ -330,10 +330,7 @@ Status run_select(const SelectParams& params, cudaStream_t stream) {
   constexpr int kSmemBytes = smem_bytes<Element, Bucket::kMaxKeep, Bucket::kStages>();
   static_assert(uint32_t(kSmemBytes) <= kMaxBlockSharedBytes, "select: shared memory over the 227 KB budget");
   const ProblemShape& shape = params.shape;
-  if (shape.num_blocks() > 65536) {
-    return {StatusCode::kUnsupported,
-            "shape.seqlen: select stores block indices in 16 bits (S <= 8388608)"};
-  }
+  if (const Limit limit = select_limit(shape)) return unsupported(limit);
 
   KernelParams kernel_params{};
   kernel_params.block_idx = params.block_idx;

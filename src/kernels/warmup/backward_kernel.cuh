@@ -616,15 +616,6 @@ template <typename T>
 Status run_kl_only(const BackwardArgs& args, const WorkspaceLayout& layout, cudaStream_t stream) {
   const BackwardParams& params = args.params;
   const ProblemShape& shape = params.fwd.shape;
-  if (params.deterministic) {
-    return {StatusCode::kUnsupported,
-            "deterministic: the KL-only warmup backward (fwd.main_branch = false) sums with atomics; "
-            "use fwd.main_branch = true for bitwise-reproducible gradients"};
-  }
-  if (!backward::pipelined_supported(args.heads_per_proxy, false)) {
-    return {StatusCode::kUnsupported,
-            "shape: the KL-only warmup backward (fwd.main_branch = false) is built for H/Hp in {2, 4, 8, 16}"};
-  }
   char* base = static_cast<char*>(params.workspace);
   FLASHMSA_WARMUP_CHECK(cudaMemsetAsync(base + layout.dq_proxy_accum, 0, layout.kl_sums - layout.dq_proxy_accum, stream),
                         "memset");
@@ -652,8 +643,8 @@ Status run_backward(const BackwardParams& params, cudaStream_t stream) {
   if (shape.head_dim != kHeadDim || shape.proxy_head_dim != kHeadDim) {
     return {StatusCode::kUnsupported, "shape.head_dim: the warmup backward is built for D = Di = 128"};
   }
-  if (shape.heads_per_proxy() > kMaxBackwardHeadsPerProxy) {
-    return {StatusCode::kUnsupported, "shape: the warmup backward needs heads per proxy head H/Hp ≤ 64"};
+  if (const Limit limit = backward_limit(shape, params.deterministic, params.fwd.main_branch)) {
+    return unsupported(limit);
   }
   const WorkspaceLayout layout = workspace_layout(shape);
   char* base = static_cast<char*>(params.workspace);

@@ -8,6 +8,8 @@
 #include <cstdint>
 
 #include "flashmsa/params.h"
+#include "kernels/backward/config.h"
+#include "kernels/common/limit.h"
 #include "kernels/common/smem_limits.h"
 
 namespace flashmsa::kernels::warmup {
@@ -47,6 +49,22 @@ constexpr int kBackwardThreads = 256;  // 8 warps
 constexpr int kBackwardWarps = kBackwardThreads / 32;
 constexpr int kBackwardRows = 64;
 constexpr int kMaxBackwardHeadsPerProxy = kBackwardRows;  // M ≤ 64
+
+// What the warmup kernels are not built for (kernels/common/limit.h; head dims other than 128 are
+// validate's supported-combination rule). The forward's tile holds ⌊128/M⌋ tokens, the backward's
+// ⌊64/M⌋; without the main branch the backward is the KL-only pass of the sparse pipeline.
+inline Limit forward_limit(const ProblemShape& shape) {
+  if (shape.heads_per_proxy() > kMaxForwardHeadsPerProxy) {
+    return {"shape", "the warmup forward needs heads per proxy head H/Hp ≤ 128"};
+  }
+  return {};
+}
+inline Limit backward_limit(const ProblemShape& shape, bool deterministic, bool main_branch) {
+  if (shape.heads_per_proxy() > kMaxBackwardHeadsPerProxy) {
+    return {"fwd.shape", "the warmup backward needs heads per proxy head H/Hp ≤ 64"};
+  }
+  return main_branch ? Limit{} : backward::kl_only_limit(shape, deterministic);
+}
 constexpr int kProbStride = kKeyStep + 8;  // fp32 P rows, padded against bank conflicts
 
 // Shared memory of the dq kernel. 16-bit tiles are [rows][cols] with 16-byte chunks XOR-swizzled

@@ -257,9 +257,7 @@ Status run_forward(const ForwardParams& params, cudaStream_t stream) {
   if (shape.head_dim != kHeadDim || shape.proxy_head_dim != kHeadDim) {
     return {StatusCode::kUnsupported, "shape.head_dim: the warmup forward is built for D = Di = 128"};
   }
-  if (shape.heads_per_proxy() > kMaxForwardHeadsPerProxy) {
-    return {StatusCode::kUnsupported, "shape: the warmup forward needs heads per proxy head H/Hp ≤ 128"};
-  }
+  if (const Limit limit = forward_limit(shape)) return unsupported(limit);
   const float softmax_scale = float(effective_scale(params.softmax_scale, shape.head_dim));
   const float proxy_scale = float(effective_scale(params.proxy_scale, shape.proxy_head_dim));
 
