@@ -17,10 +17,10 @@
 //   arrays     block_idx, lse, proxy_lse, kl, kl_grad non-null where required and 4-byte aligned;
 //              schedule and workspace non-null where required and 16-byte aligned.
 //   aliasing   no output shares memory with an input or with another output (inputs may alias).
-//   supported  (dtype, head_dim, proxy_head_dim) is in supported_combinations(), and in sparse mode
-//              the schedule's 32-bit indices hold the shape (H/Hp ≤ 128, B·Hp·S·K < 2^31,
-//              S < 2^26), else kUnsupported; checked last, so kUnsupported always means "valid,
-//              but not built".
+//   supported  (dtype, head_dim, proxy_head_dim) is in supported_combinations(), and the op's
+//              kernels hold the shape (each stage's *_limit in its config.h: in sparse mode the
+//              schedule's 32-bit indices, H/Hp ≤ 128, B·Hp·S·K < 2^31, S < 2^26), else
+//              kUnsupported; checked last, so kUnsupported always means "valid, but not built".
 #include <algorithm>
 #include <array>
 #include <cmath>
