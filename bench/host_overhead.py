@@ -78,8 +78,10 @@ def main():
     print("host us per call (seed config, S=%d, K=%d):" % (args.seqlen, args.blocks))
     print("  select        %6.1f" % host_us(lambda: ops.select(q_proxy, k_proxy, args.blocks, 0.0)))
     print("  forward       %6.1f" % host_us(forward))
+    # A training call: leaves that require grad, so autograd records the op and a KL sink is made.
+    leaves = [t.detach().requires_grad_() for t in (q, k, v, q_proxy, k_proxy)]
     print("  msa_attention %6.1f  (select + forward + autograd)" % host_us(
-        lambda: flashmsa.msa_attention(q, k, v, q_proxy, k_proxy, 128 * args.blocks)))
+        lambda: flashmsa.msa_attention(*leaves, 128 * args.blocks)))
     scalar = torch.empty((), device="cuda")
     print("for scale: torch.empty %.1f, torch.zeros(()) %.1f, scalar.add_(1) %.1f" % (
         host_us(lambda: torch.empty(1024, device="cuda")),
