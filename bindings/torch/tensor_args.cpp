@@ -2,6 +2,7 @@
 // then the translation of flashmsa::validate's field names into torch ones.
 #include "tensor_args.h"
 
+#include <c10/core/ScalarType.h>
 #include <c10/util/Exception.h>
 
 #include <array>
@@ -22,6 +23,9 @@ std::string sizes_text(const at::Tensor& tensor) {
 }
 
 bool is_cpu(const at::Tensor& tensor) { return tensor.device().is_cpu(); }
+
+// A dtype as Python users write it ("torch.float32"), not as c10 prints it ("Float").
+std::string dtype_text(at::ScalarType dtype) { return "torch." + c10::getDtypeNames(dtype).first; }
 
 // Field names of flashmsa's ProblemShape, as validate() reports them, and the torch argument each
 // one comes from in the attention ops and in select (where H = Hp, Hkv = Hpk, D = Di).
@@ -121,7 +125,7 @@ void check_dtype(const at::Tensor& tensor, const char* name, Op op) {
   TORCH_CHECK_VALUE(half || (wide && is_cpu(tensor)), op_name(op), ": ", name,
                     ": dtype must be torch.bfloat16 or torch.float16 (CPU also accepts "
                     "torch.float32 and torch.float64), got ",
-                    dtype, " on ", tensor.device());
+                    dtype_text(dtype), " on ", tensor.device());
 }
 
 void check_activation(const at::Tensor& tensor, const char* name, const at::Tensor& like,
@@ -139,8 +143,8 @@ void check_activation(const at::Tensor& tensor, const char* name, const at::Tens
                       ": must be on the device of ", like_name, " (", like.device(), "), got ",
                       tensor.device());
     TORCH_CHECK_VALUE(tensor.scalar_type() == like.scalar_type(), op_name(op), ": ", name,
-                      ": dtype must match ", like_name, " (", like.scalar_type(), "), got ",
-                      tensor.scalar_type());
+                      ": dtype must match ", like_name, " (", dtype_text(like.scalar_type()),
+                      "), got ", dtype_text(tensor.scalar_type()));
   }
   TORCH_CHECK_VALUE(tensor.stride(3) == 1 || tensor.size(3) == 1, op_name(op), ": ", name,
                     ": the last dim must be contiguous (stride 1), got strides ", tensor.strides());
@@ -234,7 +238,7 @@ void check_block_idx(const at::Tensor& block_idx, const ProblemShape& shape, con
                     ": block_idx: must be on the device of q (", like.device(), "), got ",
                     block_idx.device());
   TORCH_CHECK_VALUE(block_idx.scalar_type() == at::kInt, op_name(op),
-                    ": block_idx: dtype must be torch.int32, got ", block_idx.scalar_type());
+                    ": block_idx: dtype must be torch.int32, got ", dtype_text(block_idx.scalar_type()));
   const std::array<int64_t, 4> expected = {shape.batch, shape.num_proxy_heads, shape.seqlen,
                                            shape.top_k};
   TORCH_CHECK_VALUE(block_idx.sizes() == at::IntArrayRef(expected), op_name(op),
@@ -249,7 +253,7 @@ void check_float_array(const at::Tensor& tensor, const char* name, at::IntArrayR
   TORCH_CHECK_VALUE(tensor.device() == like.device(), op_name(op), ": ", name,
                     ": must be on the device of q (", like.device(), "), got ", tensor.device());
   TORCH_CHECK_VALUE(tensor.scalar_type() == at::kFloat, op_name(op), ": ", name,
-                    ": dtype must be torch.float32, got ", tensor.scalar_type());
+                    ": dtype must be torch.float32, got ", dtype_text(tensor.scalar_type()));
   TORCH_CHECK_VALUE(tensor.sizes() == sizes, op_name(op), ": ", name, ": shape must be ", sizes,
                     ", got ", sizes_text(tensor));
   TORCH_CHECK_VALUE(tensor.is_contiguous(), op_name(op), ": ", name,
@@ -363,7 +367,7 @@ void check_scalar(const at::Tensor& tensor, const char* name, const at::Tensor& 
   TORCH_CHECK_VALUE(
       tensor.scalar_type() == at::kFloat && tensor.numel() == 1 && tensor.is_contiguous(),
       op_name(op), ": ", name, ": must be a contiguous one-element torch.float32 tensor, got ",
-      tensor.scalar_type(), " of shape ", sizes_text(tensor));
+      dtype_text(tensor.scalar_type()), " of shape ", sizes_text(tensor));
 }
 
 ForwardOutputs allocate_forward_outputs(ForwardParams& params, const at::Tensor& q) {

@@ -80,7 +80,7 @@ CASES = {
     "q_int_dtype": (lambda: call(replace(0, torch.zeros(1, 256, 4, 16, dtype=torch.int32))),
                     ValueError, "q: dtype"),
     "k_dtype_mismatch": (lambda: call(replace(1, torch.zeros(1, 256, 2, 16, dtype=torch.float16))),
-                         ValueError, "k: dtype"),
+                         ValueError, "k: dtype must match q (torch.bfloat16), got torch.float16"),
     "v_shape_mismatch": (lambda: call(replace(2, torch.zeros(1, 256, 1, 16, dtype=torch.bfloat16))),
                          ValueError, "v: shape"),
     "k_seqlen_mismatch": (lambda: call(replace(1, torch.zeros(1, 200, 2, 16, dtype=torch.bfloat16))),
