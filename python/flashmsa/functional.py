@@ -108,11 +108,13 @@ def _check_heads(heads: int, kv_heads: int, proxy_heads: int, proxy_kv_heads: in
 
 
 def _check_kl_sink(sink, q: torch.Tensor, caller: str) -> None:
+    # A leaf: the value arrives as its .grad, which autograd keeps only on leaves.
     if not (isinstance(sink, torch.Tensor) and sink.dim() == 0 and sink.dtype == torch.float32
-            and sink.requires_grad and sink.device == q.device):
+            and sink.requires_grad and sink.is_leaf and sink.device == q.device):
         described = (f"{sink.dtype} of shape {list(sink.shape)} on {sink.device}, requires_grad="
-                     f"{sink.requires_grad}" if isinstance(sink, torch.Tensor) else type(sink).__name__)
-        raise ValueError(f"{caller}: kl_sink: must be a 0-d torch.float32 tensor with "
+                     f"{sink.requires_grad}, is_leaf={sink.is_leaf}"
+                     if isinstance(sink, torch.Tensor) else type(sink).__name__)
+        raise ValueError(f"{caller}: kl_sink: must be a 0-d torch.float32 leaf tensor with "
                          f"requires_grad=True on {q.device} (flashmsa.new_kl_sink()), got {described}")
 
 
@@ -174,7 +176,7 @@ def msa_attention(
         deterministic: ask the backward for a run-to-run bitwise identical result.
         return_kl: when False, return ``out`` only (the KL then sends no gradient and computes
             no value; a ``kl_sink`` is refused).
-        kl_sink: where the true KL value goes (see ``new_kl_sink()``): an fp32 0-d tensor with
+        kl_sink: where the true KL value goes (see ``new_kl_sink()``): an fp32 0-d leaf tensor with
             requires_grad=True on the inputs' device; the backward of this call adds the value to
             ``kl_sink.grad``. When None (eager mode, autograd recording), a fresh sink is made:
             ``last_kl()``. Without a sink and with no input requiring grad (evaluation), ``out``

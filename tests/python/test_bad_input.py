@@ -117,6 +117,8 @@ CASES = {
                                      ValueError, "Hp % Hkv"),
     "empty_sequence": (lambda: call(make_inputs(HEADS, 0, dtype=torch.bfloat16)), ValueError, "seqlen"),
     "kl_sink_without_grad": (lambda: call(good(), kl_sink=torch.zeros(())), ValueError, "kl_sink"),
+    "kl_sink_not_a_leaf": (lambda: call(good(), kl_sink=flashmsa.new_kl_sink() * 1.0), ValueError,
+                           "kl_sink: must be a 0-d torch.float32 leaf tensor"),
     "kl_sink_with_return_kl_false": (lambda: call(good(), return_kl=False, kl_sink=flashmsa.new_kl_sink()),
                                      ValueError, "kl_sink: must be None with return_kl=False"),
     "head_major_without_transpose": (lambda: call([t.transpose(1, 2).contiguous() for t in good()]),
