@@ -211,17 +211,14 @@ ProblemShape select_shape(const at::Tensor& q_proxy, const at::Tensor& k_proxy, 
   TORCH_CHECK_VALUE(
       q_proxy.size(2) <= INT32_MAX && k_proxy.size(2) <= INT32_MAX && q_proxy.size(3) <= INT32_MAX,
       op_name(op), ": q_proxy, k_proxy: head counts and dims must be < 2^31");
-  // select's shape stands Hp, Hpk in for H, Hkv, so validate would word this rule as H % Hkv.
-  TORCH_CHECK_VALUE(k_proxy.size(2) >= 1 && q_proxy.size(2) % k_proxy.size(2) == 0, op_name(op),
-                    ": q_proxy.size(2) (num_proxy_heads): must be divisible by k_proxy.size(2) "
-                    "(num_proxy_kv_heads) (Hp % Hpk == 0), got Hp=",
-                    q_proxy.size(2), ", Hpk=", k_proxy.size(2));
   check_top_k(top_k, op);
   ProblemShape shape;
   shape.batch = q_proxy.size(0);
   shape.seqlen = q_proxy.size(1);
+  // Select reads only the proxy heads; one main head per proxy head and one KV group make every
+  // main-head rule hold, so validate words a violated head rule as the proxies' (Hp % Hpk).
   shape.num_heads = static_cast<int>(q_proxy.size(2));
-  shape.num_kv_heads = static_cast<int>(k_proxy.size(2));
+  shape.num_kv_heads = 1;
   shape.num_proxy_heads = static_cast<int>(q_proxy.size(2));
   shape.num_proxy_kv_heads = static_cast<int>(k_proxy.size(2));
   shape.head_dim = static_cast<int>(q_proxy.size(3));

@@ -41,7 +41,7 @@ ProblemShape attention_shape(const at::Tensor& q, const at::Tensor& k, const at:
                              const at::Tensor& q_proxy, const at::Tensor& k_proxy, int64_t top_k,
                              Op op);
 
-// The shape select() works on: H = Hp, Hkv = Hpk, D = Di (select reads only the proxy heads).
+// The shape select() works on: H = Hp, Hkv = 1, D = Di (select reads only the proxy heads).
 ProblemShape select_shape(const at::Tensor& q_proxy, const at::Tensor& k_proxy, int64_t top_k);
 
 // block_idx [B, Hp, S, K] int32 contiguous on the device of `like`.

@@ -543,10 +543,9 @@ Status validate(const BackwardParams& params) {
   kernels::Limit limit;
   if (fwd.mode == Mode::kWarmup) {
     limit = kernels::warmup::backward_limit(shape, params.deterministic, fwd.main_branch);
-  } else if (const kernels::Limit schedule = kernels::schedule::schedule_limit(shape, "fwd.shape")) {
-    limit = schedule;
   } else {
-    limit = kernels::backward::sparse_limit(shape, params.deterministic);
+    limit = kernels::schedule::schedule_limit(shape, "fwd.shape");
+    if (!limit) limit = kernels::backward::sparse_limit(shape, params.deterministic);
   }
   return check_supported(shape, dtype, "fwd.", limit);
 }

@@ -99,7 +99,7 @@ CASES = {
                                      ValueError, "num_heads"),
     "proxy_heads_not_divisible_by_proxy_kv": (lambda: call(make_inputs((4, 2, 2, 3), 256, dtype=torch.bfloat16)),
                                               ValueError, "q_proxy.size(2) (num_proxy_heads): must be divisible by "
-                                              "k_proxy.size(2) (num_proxy_kv_heads) (Hp % Hpk == 0), got Hp=2, Hpk=3"),
+                                              "num_proxy_kv_heads (Hp % Hpk == 0), got Hp=2, Hpk=3"),
     "head_dim_not_multiple_of_8": (lambda: call(make_inputs(HEADS, 256, head_dim=4, proxy_head_dim=16, dtype=torch.bfloat16)),
                                    ValueError, "q.size(3) (head_dim): must be a multiple of 8"),
     "proxy_head_dim_not_multiple_of_8": (lambda: call(make_inputs(HEADS, 256, proxy_head_dim=12, dtype=torch.float32)),

@@ -164,7 +164,8 @@ constexpr int64_t dense_lists_per_bh(int64_t seqlen) {
 }
 
 // What the sparse backward is not built for (kernels/common/limit.h, fields named as in
-// BackwardParams; the schedule's own limits come first): M ≤ 16, and the mma.sync kernel's reverse index packs (i << 6 | slot) into an int32.
+// BackwardParams; the schedule's own limits come first): M ≤ 16, and the mma.sync kernel's reverse
+// index packs (i << 6 | slot) into an int32.
 inline Limit sparse_limit(const ProblemShape& shape, bool deterministic) {
   if (shape.heads_per_proxy() > kMaxHeadsPerProxy) {
     return {"fwd.shape", "the backward is built for at most 16 main heads per proxy head (H/Hp ≤ 16)"};
@@ -198,6 +199,7 @@ inline Limit kl_only_limit(const ProblemShape& shape, bool deterministic) {
   }
   return {};
 }
+
 struct DenseListPosition {
   int64_t bh;  // b·Hp + p
   int chunk, block, first_token, count;

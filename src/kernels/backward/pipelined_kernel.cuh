@@ -976,8 +976,9 @@ cudaError_t launch_pipelined(const PipelinedArgs<Element>& args, int heads_per_p
 
 // The KL-only dense pass (warmup with the main branch elsewhere): Σ_j g k_proxy into
 // dq_proxy_accum [b, s, hp, di], Σ_i g q_proxy into dk_proxy_accum [b, s, hp, di] and the KL terms
-// into kl_rows [b, hp, s], all zeroed by the caller and added to with fp32 atomics. M = H/Hp ∈
-// {2, 4, 8, 16}; reads q, k, q_proxy, k_proxy, fwd.lse (natural log) and fwd.proxy_lse.
+// into kl_rows [b, hp, s], all zeroed by the caller and added to with fp32 atomics. The caller has
+// checked kl_only_limit (config.h: M = H/Hp ∈ {2, 4, 8, 16}, 32-bit entries and list numbers);
+// reads q, k, q_proxy, k_proxy, fwd.lse (natural log) and fwd.proxy_lse.
 template <typename Element>
 Status run_pipelined_kl_dense(const BackwardParams& params, float softmax_scale, float proxy_scale,
                               float* dq_proxy_accum, float* dk_proxy_accum, float* kl_rows, cudaStream_t stream) {
@@ -1001,7 +1002,6 @@ Status run_pipelined_kl_dense(const BackwardParams& params, float softmax_scale,
   args.proxy_scale_log2 = proxy_scale * kLog2e;
   args.with_kl = 1;
   args.with_kl_grad = params.kl_grad != nullptr ? 1 : 0;
-  if (const Limit limit = kl_only_limit(shape, false)) return unsupported(limit);
   const int grid_limit = int(std::min<int64_t>(args.dense_lists, 1 << 30));
   const cudaError_t error = launch_pipelined<Element, true>(args, shape.heads_per_proxy(), grid_limit, stream);
   if (error == cudaSuccess) return Status::Ok();

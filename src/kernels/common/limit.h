@@ -16,9 +16,9 @@ struct Limit {
   explicit operator bool() const { return rule != nullptr; }
 };
 
-// The Status a launcher returns for a limit; `prefix` is "" or "fwd." as the op names its fields.
-inline Status unsupported(const Limit& limit, const std::string& prefix = "") {
-  return {StatusCode::kUnsupported, prefix + limit.field + ": " + limit.rule};
+// The Status a launcher returns for a limit (its field is already named as in the op's params).
+inline Status unsupported(const Limit& limit) {
+  return {StatusCode::kUnsupported, std::string(limit.field) + ": " + limit.rule};
 }
 
 }  // namespace flashmsa::kernels

@@ -44,9 +44,7 @@ Status run_forward(const ForwardParams& params, cudaStream_t stream) {
   if (shape.head_dim != kHeadDim || shape.proxy_head_dim != kHeadDim) {
     return {StatusCode::kUnsupported, "shape.head_dim: the sparse forward is built for D = Di = 128"};
   }
-  if (shape.heads_per_proxy() > kTileRows) {
-    return {StatusCode::kUnsupported, "shape: heads per proxy head H/Hp must be ≤ 128"};
-  }
+  if (const Limit limit = schedule::schedule_limit(shape)) return unsupported(limit);
   const schedule::ScheduleLayout schedule_layout = schedule::make_schedule_layout(shape);
   const ForwardLayout layout = make_forward_layout(shape);
   const char* schedule_base = static_cast<const char*>(params.schedule);
